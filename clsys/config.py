@@ -1,0 +1,263 @@
+"""Typed configuration: dataclasses, filled from a YAML recipe plus dotted ``key=value`` overrides.
+
+``load_config("clsys/configs/simcse_unsup.yaml", ["train.steps=50", "data.url=s3://b/p"])``
+An unknown key or a value of the wrong type is an error that names the key, so a typo in a
+recipe never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override; the message names the key (and the file)."""
+
+
+@dataclass
+class DataConfig:
+    url: str = "runs/quickstart/shards"  # root written by `data_prep wiki --out`; streams are sub-folders
+    max_length: int = 32  # tokens per sentence after truncation (SimCSE: 32)
+    shuffle_buffer: int = 2048  # samples held per loader worker for shuffling
+    loader_workers: int = 1  # DataLoader worker processes per training rank
+    verify_checksums: bool = True  # compare each shard's sha256 with the manifest while streaming
+
+
+@dataclass
+class ModelConfig:
+    name: str = "all-MiniLM-L6-v2"  # packaged alias, local folder, or a hub id the user has cached
+    dropout: float | None = None  # overrides hidden and attention dropout when set (SimCSE needs > 0)
+
+
+@dataclass
+class ObjectiveConfig:
+    """Base of every objective's own config dataclass (see ``clsys/objectives``).
+
+    The ``objective`` section of a recipe is checked against the dataclass of the objective
+    that ``objective.name`` selects, so each objective declares exactly the keys it accepts.
+    """
+
+    name: str = "simcse"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "linear"  # linear (decay to 0 at the last step) or constant
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    name: str = "quickstart"  # run name: the run lives at <run_root>/<name>
+    run_root: str = "runs"  # local folder, file:// or s3:// URL
+    steps: int = 200
+    batch_size: int = 32  # global batch (all ranks, all accumulation steps)
+    grad_accum: int = 1
+    seed: int = 42
+    precision: str = "fp32"  # fp32 or bf16
+    zero_stage: int = 2
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
+
+
+@dataclass
+class ClusterConfig:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    max_restarts: int = 0  # worker-group restarts after a failure (Ray FailureConfig)
+
+
+@dataclass
+class EvalConfig:
+    sts_dev: str = "stsb-en-dev"  # bundled name or path; "" disables evaluation during training
+    every: int = 100
+    pooling: str = "cls"
+    max_pairs: int = 0  # 0 = all pairs of the dev set
+    batch_size: int = 64
+    sts_test: str = ""  # after training: compare the base model and the exported one on this set
+    test_poolings: str = "cls,mean"  # comma list of poolings for that comparison
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self) -> None:
+        t = self.train
+        per_step = self.cluster.num_workers * t.grad_accum
+        if t.batch_size % per_step:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by cluster.num_workers × train.grad_accum "
+                f"= {self.cluster.num_workers} × {t.grad_accum}")
+        checks = [
+            ("train.precision", t.precision in ("fp32", "bf16"), "fp32 or bf16"),
+            ("train.zero_stage", t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+            ("train.steps", t.steps > 0, "> 0"),
+            ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
+            ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
+            ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
+            ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
+            ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"{key}: expected {expected}")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.train.batch_size // (self.cluster.num_workers * self.train.grad_accum)
+
+
+def _coerce(key: str, value, tp):
+    """Convert ``value`` (from YAML or a CLI string) to the annotated type ``tp``, or fail naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(key, value, args[0])
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(as_float)
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    section_name, _, name = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections or not name:
+        raise ConfigError(f"unknown config key '{dotted}' (sections: {', '.join(sections)})")
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        raise ConfigError(f"unknown config key '{dotted}' (keys of {section_name}: {', '.join(hints)})")
+    setattr(section, name, _coerce(dotted, value, hints[name]))
+
+
+def resolve_recipe(path: str) -> Path:
+    """A recipe path as given, or the name of a bundled recipe (``simcse_unsup``)."""
+    p = Path(path)
+    if p.exists():
+        return p
+    bundled = CONFIG_DIR / (path if path.endswith(".yaml") else f"{path}.yaml")
+    if bundled.exists():
+        return bundled
+    raise ConfigError(f"{path}: no such config file (bundled recipes: "
+                      f"{', '.join(sorted(q.stem for q in CONFIG_DIR.glob('*.yaml')))})")
+
+
+def _objective_config(name: str) -> ObjectiveConfig:
+    from clsys.objectives import OBJECTIVES
+
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective.name: unknown objective '{name}' (choose from {', '.join(OBJECTIVES)})")
+    return OBJECTIVES[name].config_class(name=name)
+
+
+def _build(items: list[tuple[str, object, str]]) -> Config:
+    """Apply (dotted key, value, where-it-came-from) items in order onto a fresh Config."""
+    name = next((v for k, v, _ in reversed(items) if k == "objective.name"), ObjectiveConfig.name)
+    cfg = Config(objective=_objective_config(str(name)))
+    for key, value, source in items:
+        try:
+            _set(cfg, key, value)
+        except ConfigError as err:
+            raise ConfigError(f"{source}{err}") from None
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    items: list[tuple[str, object, str]] = []
+    if path:
+        recipe = resolve_recipe(path)
+        try:
+            raw = yaml.safe_load(recipe.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{recipe}: not valid YAML ({err})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{recipe}: expected a mapping of sections at the top level")
+        for section, values in raw.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{recipe}: section '{section}' must be a mapping")
+            items += [(f"{section}.{key}", value, f"{recipe}: ") for key, value in values.items()]
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        items.append((key.strip(), yaml.safe_load(value) if value.strip() else "", "override: "))
+    return _build(items)
+
+
+def config_from_dict(d: dict) -> Config:
+    """The inverse of ``Config.to_dict`` (used to ship the config to Ray workers and checkpoints)."""
+    return _build([(f"{section}.{key}", value, "") for section, values in d.items() for key, value in values.items()])
+
+
+def run_url(cfg: Config) -> str:
+    """Where this run's checkpoints, logs and exported model live (local path or URL)."""
+    from clsys import storage
+
+    root = cfg.train.run_root
+    if "://" not in root:
+        root = os.path.abspath(root)
+    return storage.join(root, cfg.train.name)

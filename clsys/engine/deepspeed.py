@@ -1,0 +1,68 @@
+"""DeepSpeed set-up: the process group, the engine config derived from ours, and initialisation."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from clsys.config import Config
+
+
+def init_distributed() -> None:
+    """Adopt the process group Ray Train created (gloo on CPU, nccl on GPU) for DeepSpeed."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce op (about a
+        # minute of gcc on a cold cache). Plain gloo collectives give identical results, so skip it.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def ds_config(cfg: Config) -> dict:
+    t = cfg.train
+    return {
+        "train_batch_size": t.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        # Our optimizer is a plain torch AdamW (DeepSpeed's fused one needs CUDA kernels).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def lr_lambda(cfg: Config):
+    warmup, total, schedule = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.schedule
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return factor
+
+
+def build_engine(model: torch.nn.Module, cfg: Config):
+    """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out)."""
+    import deepspeed
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            # As in BERT and the HF Trainer: no weight decay on biases and LayerNorm weights.
+            (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config(cfg))
+    return engine

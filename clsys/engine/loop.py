@@ -1,0 +1,168 @@
+"""The training loop that runs inside every Ray Train worker.
+
+Reads top to bottom: set up the process group, build the objective and its DeepSpeed engine,
+open this rank's shard stream, restore the newest checkpoint if there is one, then step:
+forward → backward → optimizer step → (every N) log, evaluate, checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from clsys import storage
+from clsys.config import Config, config_from_dict, run_url
+from clsys.data.streaming import ShardLoader
+from clsys.engine import checkpoint
+from clsys.engine.deepspeed import build_engine, init_distributed
+from clsys.metrics import TensorBoard, Throughput
+from clsys.model.encoder import load_tokenizer
+from clsys.objectives import OBJECTIVES, Objective
+
+
+def local_tensorboard_dir(cfg: Config) -> str:
+    """TensorBoard writes to a local folder: the run's own when the run is local, else a mirror."""
+    run = storage.parse(run_url(cfg))
+    if run.scheme == "file":
+        return os.path.join(run.path, "tensorboard")
+    return os.path.abspath(os.path.join("runs", cfg.train.name, "tensorboard"))
+
+
+def _choose_resume(run: str, requested: str | None) -> str | None:
+    """This run's newest complete checkpoint (written before a worker failure), else the requested one.
+
+    Rank 0 decides and broadcasts, so that every rank restores the same step.
+    """
+    choice = [None]
+    if dist.get_rank() == 0:
+        choice[0] = checkpoint.latest_checkpoint(run) or requested
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def _evaluate_dev(objective: Objective, dev_set, cfg: Config, zero3: bool) -> dict | None:
+    """STS dev score on rank 0. Under ZeRO-3 every rank must take part in gathering the weights."""
+    import deepspeed
+
+    from clsys.evaluate import evaluate_sts
+
+    encoder, result = objective.encoder(), None
+    with deepspeed.zero.GatheredParameters(list(encoder.parameters()), enabled=zero3):
+        if dist.get_rank() == 0:
+            result = evaluate_sts(encoder, objective.tokenizer, dev_set, pooling=cfg.eval.pooling,
+                                  batch_size=cfg.eval.batch_size)
+    dist.barrier()
+    return result
+
+
+def _dev_set(cfg: Config):
+    from clsys.evaluate import load_sts, resolve_sts
+
+    dev = load_sts(resolve_sts(cfg.eval.sts_dev))
+    if cfg.eval.max_pairs:
+        n = cfg.eval.max_pairs
+        dev = type(dev)(dev.name, dev.sent1[:n], dev.sent2[:n], dev.scores[:n])
+    return dev
+
+
+def train_worker(payload: dict) -> None:
+    import ray.train
+
+    cfg = config_from_dict(payload["config"])
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = run_url(cfg)
+
+    # Same seed on every rank while building, so freshly initialised heads are identical everywhere.
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg.model.name)
+    objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
+    engine = build_engine(objective, cfg)
+    engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
+    loader = ShardLoader(storage.join(cfg.data.url, objective.stream), rank, world, cfg.micro_batch,
+                         objective.collate, cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
+                         cfg.data.verify_checksums)
+    # From here on each rank draws its own dropout masks.
+    torch.manual_seed(cfg.train.seed + 1 + rank)
+    random.seed(cfg.train.seed + 1 + rank)
+
+    step = 0
+    resume = _choose_resume(run, payload.get("resume"))
+    if resume:
+        step, rank_state = checkpoint.load(engine, resume, world)
+        checkpoint.set_rng_state(rank_state["rng"])
+        loader.load_state_dict(rank_state["loader"])
+        if rank == 0:
+            print(f"[clsys] resumed from {resume} at step {step}", flush=True)
+
+    zero3 = cfg.train.zero_stage == 3
+    tb = TensorBoard(local_tensorboard_dir(cfg) if rank == 0 else None)
+    dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
+    encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
+    meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
+            "encoder_prefix": encoder_prefix,
+            "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
+
+    def hf_files(folder: str) -> None:
+        tokenizer.save_pretrained(folder)
+        objective.encoder().config.save_pretrained(folder)
+
+    def save_checkpoint() -> None:
+        rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict()}
+        url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints)
+        if rank == 0:
+            tb.flush()
+            if storage.is_s3(run):
+                storage.upload_dir(local_tensorboard_dir(cfg), storage.join(run, "tensorboard"))
+            print(f"[clsys] step {step}: checkpoint {url}", flush=True)
+
+    def evaluate(at_step: int) -> None:
+        result = _evaluate_dev(objective, dev_set, cfg, zero3)
+        if result is not None:
+            tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
+            print(f"[clsys] step {at_step}: {dev_set.name} Spearman {result['spearman']:.2f}", flush=True)
+
+    if dev_set is not None and step == 0:
+        evaluate(0)
+
+    batches = iter(loader)
+    meter = Throughput()
+    while step < cfg.train.steps:
+        for _ in range(cfg.train.grad_accum):
+            waited = time.perf_counter()
+            batch = next(batches)
+            waited = time.perf_counter() - waited
+            keys = batch.pop("keys")
+            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+            out = engine(batch)
+            engine.backward(out.loss)
+            engine.step()
+            meter.add(len(keys), batch["attention_mask"].sum(), waited)
+        step += 1
+
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            values = {k: float(v) for k, v in out.metrics.items()}
+            values["lr"] = engine.get_lr()[0]
+            grad_norm = engine.get_global_grad_norm()
+            if grad_norm is not None:
+                values["grad_norm"] = float(grad_norm)
+            rates = meter.rates()
+            # Every rank does the same work, so the job's rates are this rank's times the world size.
+            for name in ("samples_per_s", "tokens_per_s"):
+                rates[name] *= world
+            tb.scalars("train", values, step)
+            tb.scalars("perf", rates, step)
+            if rank == 0:
+                print(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
+                      f"{rates['samples_per_s']:.1f} samples/s", flush=True)
+            ray.train.report({"step": step, **values})
+
+        if dev_set is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+            evaluate(step)
+
+        if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps:
+            save_checkpoint()
+    tb.close()

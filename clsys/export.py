@@ -1,0 +1,114 @@
+"""``python -m clsys.export --checkpoint URL --out DIR``: a training checkpoint → a model folder.
+
+The folder loads with ``transformers.AutoModel.from_pretrained`` and with
+``sentence_transformers.SentenceTransformer`` (modules.json + the pooling the objective uses at
+inference). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds full fp32 weights
+from the per-rank shards. ``--checkpoint`` may be a step folder or a run folder (newest complete).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from clsys import storage
+from clsys.engine.checkpoint import latest_checkpoint
+from clsys.model.encoder import encoder_from_config, resolve_model_path
+
+
+def _checkpoint_url(url: str) -> str:
+    if storage.exists(storage.join(url, "COMPLETE")):
+        return url
+    latest = latest_checkpoint(url)
+    if latest is None:
+        raise FileNotFoundError(f"{url}: neither a complete checkpoint nor a run folder with one")
+    return latest
+
+
+def _max_seq_length(model_name: str, config) -> int:
+    """Keep the source model's sentence-transformers length when it has one."""
+    st_config = os.path.join(resolve_model_path(model_name), "sentence_bert_config.json")
+    if os.path.exists(st_config):
+        with open(st_config) as f:
+            return int(json.load(f)["max_seq_length"])
+    return min(512, getattr(config, "max_position_embeddings", 512))
+
+
+def _write_sentence_transformers(folder: str, pooling: str, dim: int, max_seq_length: int) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    pooling_config = {
+        "word_embedding_dimension": dim,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": pooling == "max",
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
+    for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling_config),
+                      ("sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})]:
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+
+def export(checkpoint: str, out: str) -> str:
+    """Write the encoder of ``checkpoint`` to ``out`` (local folder or URL); returns the step folder used."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoTokenizer
+
+    url = _checkpoint_url(checkpoint)
+    meta = storage.read_json(storage.join(url, "clsys_state.json"))
+    work = tempfile.mkdtemp(prefix="clsys-export-")
+    try:
+        storage.download_dir(url, os.path.join(work, "ckpt"))
+        ckpt = os.path.join(work, "ckpt")
+        state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="ds")
+        prefix = meta["encoder_prefix"] + "."
+        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        config = AutoConfig.from_pretrained(os.path.join(ckpt, "hf"))
+        model = encoder_from_config(config)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"{url}: checkpoint does not match the encoder (missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]})")
+        folder = os.path.join(work, "out")
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(os.path.join(ckpt, "hf")).save_pretrained(folder)
+        _write_sentence_transformers(folder, meta["export_pooling"], config.hidden_size,
+                                     _max_seq_length(meta["config"]["model"]["name"], config))
+        with open(os.path.join(folder, "clsys_export.json"), "w") as f:
+            json.dump({"checkpoint": url, "step": meta["step"], "objective": meta["objective"],
+                       "pooling": meta["export_pooling"]}, f, indent=2)
+        target = storage.parse(out)
+        if target.scheme == "file":
+            if os.path.exists(target.path):
+                shutil.rmtree(target.path)
+            shutil.copytree(folder, target.path)
+        else:
+            storage.upload_dir(folder, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return url
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clsys.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="step folder or run folder (local path, file:// or s3://)")
+    parser.add_argument("--out", required=True, help="output folder (local path, file:// or s3://)")
+    args = parser.parse_args(argv)
+    try:
+        used = export(args.checkpoint, args.out)
+    except (FileNotFoundError, RuntimeError, storage.StorageError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {used} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The interface between the training engine and an objective.
+
+An objective is an ``nn.Module`` that owns everything trainable (encoder, heads) and anything
+frozen (teacher copies), declares which shard stream it reads and how samples become a batch,
+and returns a ``LossOutput``. The engine never knows which objective it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from clsys.config import Config, ObjectiveConfig
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, detached; logged every N steps
+
+
+class Objective(nn.Module):
+    config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    stream: ClassVar[str] = "sentences"  # shard stream under data.url that this objective reads
+
+    def __init__(self, cfg: Config, tokenizer):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""
+        raise NotImplementedError
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        raise NotImplementedError
+
+    def encoder(self) -> nn.Module:
+        """The Hugging Face model that export saves and evaluation embeds with."""
+        raise NotImplementedError
+
+    def export_pooling(self) -> str:
+        """How sentence embeddings are pooled from ``encoder()`` at inference."""
+        raise NotImplementedError
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

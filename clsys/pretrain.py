@@ -1,0 +1,155 @@
+"""``python -m clsys.pretrain [--config RECIPE] [--resume latest|URL] [key=value ...]``
+
+With no arguments this is the quickstart recipe. The driver resolves the config, checks the
+data and the run folder, then runs Ray Train workers (``clsys.engine.loop.train_worker``): it
+joins the Ray cluster named by ``RAY_ADDRESS`` (as under ``ray job submit``) and otherwise starts
+a local one in-process. After training it exports the final encoder and, when ``eval.sts_test``
+is set, prints the STS scores of the base model and the trained one side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Ray must not pick the machine's external address for its services and gloo (see README).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from clsys import storage  # noqa: E402
+from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
+from clsys.engine import checkpoint  # noqa: E402
+
+# Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
+# visible in the dashboard): workers read them from their own environment / instance role.
+WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
+              "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
+
+
+def resolve_resume(cfg: Config, run: str) -> str | None:
+    """The checkpoint to start from, or None for a fresh run (which must not overwrite an old one)."""
+    resume = cfg.train.resume
+    if resume == "":
+        if checkpoint.latest_checkpoint(run):
+            raise ConfigError(f"{run} already has checkpoints: pass --resume latest to continue it, "
+                              f"or choose another train.name")
+        return None
+    if resume == "latest":
+        return checkpoint.latest_checkpoint(run)  # None: nothing to resume yet, start fresh
+    if not storage.exists(storage.join(resume, "COMPLETE")):
+        raise ConfigError(f"train.resume: {resume} is not a complete checkpoint")
+    return resume
+
+
+def check_data(cfg: Config) -> str:
+    """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
+    from clsys.data.streaming import load_shards, plan_epoch
+    from clsys.objectives import OBJECTIVES
+
+    stream = storage.join(cfg.data.url, OBJECTIVES[cfg.objective.name].stream)
+    shards = load_shards(stream)
+    plan_epoch(shards, 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers, cfg.micro_batch)
+    return stream
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
+    if not cfg.cluster.use_gpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env={"env_vars": env})
+        return
+    needed = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
+    ray.init(address="local", num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False,
+             runtime_env={"env_vars": env}, log_to_driver=True)
+
+
+def train(cfg: Config, resume: str | None) -> None:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from clsys.engine.loop import train_worker
+
+    c = cfg.cluster
+    run = storage.parse(run_url(cfg))
+    # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
+    ray_dir = os.path.join(run.path, "ray") if run.scheme == "file" else os.path.abspath(os.path.join("runs", "ray"))
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"config": cfg.to_dict(), "resume": resume},
+        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
+                                     resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
+        run_config=RunConfig(name=cfg.train.name, storage_path=ray_dir,
+                             failure_config=FailureConfig(max_failures=c.max_restarts)),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}")
+
+
+def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
+    """STS test scores of the base model and of the exported one, for each requested pooling."""
+    from clsys.evaluate import evaluate_sts, load_sts, resolve_sts
+    from clsys.model.encoder import load_encoder, load_tokenizer
+
+    sts = load_sts(resolve_sts(cfg.eval.sts_test))
+    rows = []
+    for label, model_name in (("before", cfg.model.name), ("after", exported)):
+        model, tokenizer = load_encoder(model_name), load_tokenizer(model_name)
+        for pooling in cfg.eval.test_poolings.split(","):
+            scores = evaluate_sts(model, tokenizer, sts, pooling=pooling.strip(), batch_size=cfg.eval.batch_size)
+            rows.append({"model": label, "pooling": pooling.strip(), **scores})
+    print(f"\nSTS test: {sts.name} ({len(sts.scores)} pairs), cosine, ×100")
+    print(f"{'model':<8} {'pooling':<8} {'Spearman':>9} {'Pearson':>9}")
+    for r in rows:
+        print(f"{r['model']:<8} {r['pooling']:<8} {r['spearman']:>9.2f} {r['pearson']:>9.2f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clsys.pretrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="quickstart", help="recipe file or bundled recipe name (default: quickstart)")
+    parser.add_argument("--resume", default=None, help="'latest' or a checkpoint URL (same as train.resume=...)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards")
+    args = parser.parse_args(argv)
+    try:
+        overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
+        # Workers may run elsewhere than the driver's folder: ship absolute locations.
+        if "://" not in cfg.data.url:
+            cfg.data.url = os.path.abspath(cfg.data.url)
+        run = run_url(cfg)
+        storage.check_bucket(run)
+        resume = resolve_resume(cfg, run)
+        stream = check_data(cfg)
+    except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    print(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
+          f"ZeRO-{cfg.train.zero_stage}, {cfg.train.steps} steps" + (f", resuming {resume}" if resume else ""))
+    init_ray(cfg)
+    train(cfg, resume)
+
+    from clsys.export import export
+
+    exported = storage.join(run, "export")
+    export(run, exported)
+    exported_local = storage.parse(exported).path if not storage.is_s3(exported) else exported
+    if cfg.eval.sts_test and not storage.is_s3(exported):
+        compare_on_sts(cfg, exported_local)
+    from clsys.engine.loop import local_tensorboard_dir
+
+    print("\n[clsys] done")
+    print(f"  shards:      {stream}")
+    print(f"  checkpoints: {storage.join(run, 'checkpoints')}")
+    print(f"  model:       {exported_local}")
+    print(f"  logs:        tensorboard --logdir {local_tensorboard_dir(cfg)} --host 127.0.0.1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""``python -m data_prep <command>``: one subcommand per corpus/stage.
+
+Each command module exposes ``add_arguments(parser)`` and ``main(args) -> exit code``; adding a
+stage (``align``, ``tokenizer``, ``triplets``) means adding one line to ``COMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data_prep import __version__, wiki
+
+COMMANDS = {
+    "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"data_prep {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(run=module.main)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

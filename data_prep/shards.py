@@ -1,0 +1,156 @@
+"""Deterministic WebDataset tar shards, uploaded through ``clsys.storage``, plus their manifest.
+
+A stream is a folder ``URL/`` holding ``shard-000000.tar``, ``shard-000001.tar``, … and a
+``manifest.json`` that is written last: a folder without a manifest is incomplete by definition.
+Tar bytes depend only on the samples (mtime 0, uid/gid 0, no user names, members in a fixed
+order), so re-running on the same input reproduces every shard's sha256 and the upload of an
+unchanged shard can be skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+from dataclasses import asdict, dataclass, field
+
+from clsys import storage
+from clsys.storage import StorageError
+
+FORMAT = "clsys-shards/1"
+MANIFEST = "manifest.json"
+_REQUIRED = {"format": str, "stream": str, "shards": list, "samples": int}
+_REQUIRED_SHARD = {"name": str, "samples": int, "sha256": str}
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class ShardWriter:
+    """Writes samples (``key`` + ``txt`` + ``json``) into rolling tar shards under ``url``.
+
+    Shards are built in ``tmp_dir`` and uploaded as soon as they are full; ``previous`` maps shard
+    names to the sha256 the existing manifest lists, to skip re-uploading identical shards.
+    """
+
+    url: str
+    tmp_dir: str
+    max_bytes: int
+    previous: dict[str, str] = field(default_factory=dict)
+    shards: list[ShardInfo] = field(default_factory=list)
+    uploaded: int = 0
+    unchanged: int = 0
+    _tar: tarfile.TarFile | None = None
+    _path: str = ""
+    _samples: int = 0
+    _size: int = 0
+    _old_manifest_removed: bool = False
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards) + self._samples
+
+    def write(self, key: str, text: str, meta: dict) -> None:
+        members = [(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
+                   (f"{key}.txt", text.encode())]
+        size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)  # header + padded data
+        # Room for the 1 KiB end-of-archive marker and tarfile's padding to a whole record.
+        if self._tar is not None and self._size + size + 1024 + tarfile.RECORDSIZE > self.max_bytes:
+            self._finish()
+        if self._tar is None:
+            self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
+            self._tar = tarfile.open(self._path, "w", format=tarfile.USTAR_FORMAT)
+        for name, data in members:  # sorted by extension: .json before .txt
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self._tar.addfile(info, io.BytesIO(data))
+        self._samples += 1
+        self._size += size
+
+    def close(self) -> None:
+        if self._tar is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._tar.close()
+        name = f"shard-{len(self.shards):06d}.tar"
+        sha = hashlib.sha256()
+        with open(self._path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+        info = ShardInfo(name=name, samples=self._samples, bytes=os.path.getsize(self._path), sha256=sha.hexdigest())
+        dest = storage.join(self.url, name)
+        if self.previous.get(name) == info.sha256 and storage.exists(dest):
+            self.unchanged += 1
+            print(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped", file=sys.stderr)
+        else:
+            self._remove_old_manifest()
+            storage.upload_file(self._path, dest)
+            self.uploaded += 1
+        os.remove(self._path)
+        self.shards.append(info)
+        self._tar, self._samples, self._size = None, 0, 0
+
+    def _remove_old_manifest(self) -> None:
+        """Before the first changed shard lands, the old manifest stops describing the folder."""
+        if self.previous and not self._old_manifest_removed:
+            storage.delete(storage.join(self.url, MANIFEST))
+        self._old_manifest_removed = True
+
+    def write_manifest(self, extra: dict) -> str:
+        """Write ``manifest.json`` (after every shard is uploaded) and return its URL."""
+        manifest = {"format": FORMAT, "stream": os.path.basename(self.url.rstrip("/")),
+                    "shards": [asdict(s) for s in self.shards], "samples": self.samples, **extra}
+        url = storage.join(self.url, MANIFEST)
+        storage.write_json(url, manifest)
+        return url
+
+
+def previous_shas(stream_url: str) -> dict[str, str]:
+    """Shard name → sha256 from an existing, valid manifest; empty when there is none."""
+    if not storage.exists(storage.join(stream_url, MANIFEST)):
+        return {}
+    try:
+        return {s["name"]: s["sha256"] for s in read_manifest(stream_url)["shards"]}
+    except StorageError:
+        return {}  # an unreadable old manifest is simply replaced
+
+
+def read_manifest(stream_url: str) -> dict:
+    """Load and validate ``stream_url/manifest.json``; ``StorageError`` names the URL and the bad field.
+
+    The training loader relies on ``format``, ``stream``, ``samples`` and ``shards[].name/samples/sha256``;
+    shard names are relative to the stream folder (``storage.join(stream_url, name)``).
+    """
+    url = storage.join(stream_url, MANIFEST)
+    manifest = storage.read_json(url)
+    if not isinstance(manifest, dict):
+        raise StorageError(f"{url}: manifest must be a JSON object")
+    for key, typ in _REQUIRED.items():
+        if key not in manifest:
+            raise StorageError(f"{url}: manifest is missing field '{key}'")
+        if not isinstance(manifest[key], typ) or (typ is int and isinstance(manifest[key], bool)):
+            raise StorageError(f"{url}: manifest field '{key}' must be {typ.__name__}")
+    if manifest["format"] != FORMAT:
+        raise StorageError(f"{url}: manifest format is {manifest['format']!r}, expected {FORMAT!r}")
+    for i, shard in enumerate(manifest["shards"]):
+        for key, typ in _REQUIRED_SHARD.items():
+            if not isinstance(shard, dict) or not isinstance(shard.get(key), typ):
+                raise StorageError(f"{url}: manifest field 'shards[{i}].{key}' is missing or not {typ.__name__}")
+        if "/" in shard["name"] or shard["name"].startswith("."):
+            raise StorageError(f"{url}: manifest field 'shards[{i}].name' must be a file name in the stream folder")
+    total = sum(s["samples"] for s in manifest["shards"])
+    if total != manifest["samples"]:
+        raise StorageError(f"{url}: manifest field 'samples' is {manifest['samples']} but the shards hold {total}")
+    return manifest
+

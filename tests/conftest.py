@@ -1,0 +1,106 @@
+"""Shared fixtures: a real S3-compatible server (moto_server) on 127.0.0.1, in its own process."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+# Keep Ray (and gloo's MASTER_ADDR) on loopback; see README "Ray on one machine".
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto_server exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("moto_server did not start")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server process on 127.0.0.1; the AWS env of this process points at it."""
+    port = free_port()
+    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_port(port, proc)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield endpoint
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket on the test S3 server; yields its s3:// URL."""
+    from clsys import storage
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    storage.s3_client().create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server():
+    """A second moto server that enforces IAM auth, for wrong-credential tests.
+
+    moto_server skips auth for its first ``INITIAL_NO_AUTH_ACTION_COUNT`` requests: we spend them
+    creating an IAM user with an allow-all policy and an access key; from then on a request signed
+    with a wrong secret gets 403/SignatureDoesNotMatch. Yields endpoint, key pair and a bucket URL;
+    this process's AWS env is not touched (pass the values to a subprocess).
+    """
+    import json
+
+    import boto3
+
+    port = free_port()
+    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc)
+        endpoint = f"http://127.0.0.1:{port}"
+        anon = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test")
+        iam = boto3.client("iam", **anon)
+        iam.create_user(UserName="clsys-test")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="clsys-test", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="clsys-test")["AccessKey"]
+        bucket = "auth-bucket"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key["AccessKeyId"],
+                     aws_secret_access_key=key["SecretAccessKey"]).create_bucket(Bucket=bucket)
+        yield {"endpoint": endpoint, "access_key_id": key["AccessKeyId"], "secret_access_key": key["SecretAccessKey"],
+               "bucket_url": f"s3://{bucket}"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

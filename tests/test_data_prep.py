@@ -1,0 +1,265 @@
+"""data_prep: the bundled real Wikipedia dump through the real CLI, a real moto S3 server, no mocks."""
+from __future__ import annotations
+
+import bz2
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from clsys import storage
+from data_prep.sentences import pack_passages, split_sentences, SplitStats
+from data_prep.shards import read_manifest
+from data_prep.wiki import WikitextCleaner
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+STREAMS = ("sentences", "documents")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data_prep", "wiki", *map(str, args)], cwd=ROOT,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sample_xml() -> bytes:
+    return bz2.decompress(SAMPLE.read_bytes())
+
+
+def small_dump(xml: bytes, first_page: int, n_pages: int) -> bytes:
+    """A valid dump with the sample's header and ``n_pages`` of its pages, starting at ``first_page``."""
+    head, *pages = xml.split(b"  <page>")
+    body = b"".join(b"  <page>" + p for p in pages[first_page:first_page + n_pages])
+    return head + body.split(b"</mediawiki>")[0] + b"</mediawiki>\n"
+
+
+def read_stream(folder: Path, manifest: dict) -> list[dict[str, bytes]]:
+    """Every sample of a local stream, checking tar contents against the manifest on the way."""
+    samples = []
+    for shard in manifest["shards"]:
+        path = folder / shard["name"]
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+        assert len(data) == shard["bytes"]
+        with tarfile.open(path) as tar:
+            members = tar.getmembers()
+            assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 for m in members)
+            by_key: dict[str, dict[str, bytes]] = {}
+            for m in members:
+                key, ext = m.name.split(".", 1)
+                by_key.setdefault(key, {"__key__": key})[ext] = tar.extractfile(m).read()
+        assert len(by_key) == shard["samples"]
+        samples.extend(by_key.values())
+    return samples
+
+
+def test_wikitext_cleaning():
+    text = """{{Infobox person|name=X}}'''Ada Lovelace''' ({{IPA|x}}) was an English [[mathematician|mathematics person]].<ref name="a">{{cite web|url=http://x}}</ref> See [http://example.org her notes] and [http://example.org/bare].
+[[File:Ada.jpg|thumb|A portrait of [[Ada]]]]
+<!-- hidden comment -->
+{| class="wikitable"
+|-
+| cell one || cell two
+|}
+She wrote <i>the first</i> <span class="x">algorithm</span> &amp; more.
+
+== Early life ==
+Born in [[London]].{{citation needed}}
+=== Education ===
+She studied <b>maths</b>.<ref>Book.</ref>
+== See also ==
+* [[Charles Babbage]]
+== References ==
+{{reflist}}
+[[Category:Mathematicians]]
+[[de:Ada Lovelace]]
+"""
+    sections = WikitextCleaner().sections(text)
+    assert [s.heading for s in sections] == ["", "Early life", "Early life > Education"]
+    lead = " ".join(sections[0].paragraphs)
+    assert lead == ("Ada Lovelace was an English mathematics person. See her notes and. "
+                    "She wrote the first algorithm & more.")
+    assert sections[1].paragraphs == ["Born in London."]
+    assert sections[2].paragraphs == ["She studied maths."]
+    everything = " ".join(p for s in sections for p in s.paragraphs)
+    for gone in ("Infobox", "cite", "portrait", "cell", "comment", "Babbage", "Mathematicians", "reflist", "de:", "http"):
+        assert gone not in everything
+
+
+def test_sentences_filter_and_passages():
+    stats = SplitStats()
+    sentences = split_sentences("en", "Dr. Smith went to Washington on Monday. Yes. " + "word " * 300 + ".", stats)
+    assert sentences == ["Dr. Smith went to Washington on Monday."]
+    assert (stats.too_short, stats.too_long) == (1, 1)
+    passages = pack_passages(["one two three.", "four five.", "six seven eight nine."], max_words=5)
+    assert [p.text for p in passages] == ["one two three. four five.", "six seven eight nine."]
+    assert pack_passages(["a b c d e f g."], max_words=3)[0].n_words == 7  # never cut a sentence
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wiki") / "out"
+    result = run_cli("--input", SAMPLE, "--out", f"file://{out}", "--shard-size-mb", "0.5", "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_bundled_dump_to_local(sample_run):
+    out, result = sample_run
+    for stream in STREAMS:
+        manifest = read_manifest(f"file://{out / stream}")
+        assert manifest["format"] == "clsys-shards/1" and manifest["stream"] == stream
+        assert manifest["languages"] == ["en"]
+        (source,) = manifest["sources"]
+        assert source["file"] == SAMPLE.name and source["status"] == "complete" and source["byte_offset"] is None
+        assert (source["pages_read"], source["articles"], source["lang"]) == (206, 106, "en")
+        assert manifest["skipped"]["redirect"] == 100
+        assert len(manifest["shards"]) > 1  # 0.5 MiB shards roll over
+        assert all(s["bytes"] <= 0.5 * 2**20 for s in manifest["shards"])
+        samples = read_stream(out / stream, manifest)
+        assert len(samples) == manifest["samples"]
+        assert sorted(os.listdir(out / stream)) == sorted([s["name"] for s in manifest["shards"]] + ["manifest.json"])
+        keys = [s["__key__"] for s in samples]
+        assert len(set(keys)) == len(keys)
+        for sample in samples:
+            assert set(sample) == {"__key__", "txt", "json"}
+            meta = json.loads(sample["json"])
+            assert meta["lang"] == "en" and sample["__key__"].startswith(f"en-{meta['page_id']}-")
+            assert sample["txt"].decode().strip()
+            if stream == "documents":
+                assert meta["n_chars"] == len(sample["txt"].decode())
+    sentences = read_stream(out / "sentences", read_manifest(f"file://{out / 'sentences'}"))
+    texts = {s["txt"].decode() for s in sentences}
+    assert any("Anarchism is a political philosophy" in t for t in texts)
+    assert not any("{{" in t or "[[" in t or "<ref" in t for t in texts)
+    assert {json.loads(s["json"])["page_id"] for s in sentences} >= {12, 25}  # Anarchism, Autism
+    assert "pages read: 206, articles: 106" in result.stdout
+
+
+def test_webdataset_reads_shards(sample_run):
+    import webdataset as wds
+
+    out, _ = sample_run
+    shard = out / "documents" / read_manifest(f"file://{out / 'documents'}")["shards"][0]["name"]
+    first = next(iter(wds.WebDataset(str(shard), shardshuffle=False)))
+    assert set(first) >= {"__key__", "txt", "json"} and json.loads(first["json"])["page_id"] == 12
+
+
+def test_idempotent_rerun(sample_run, tmp_path):
+    out, _ = sample_run
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    mtimes = {p: p.stat().st_mtime_ns for p in before if p.suffix == ".tar"}
+    result = run_cli("--input", SAMPLE, "--out", out, "--shard-size-mb", "0.5")  # plain path, 1 worker
+    assert result.returncode == 0, result.stderr
+    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after == before
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # shards were not even rewritten
+    assert "upload skipped" in result.stderr and "0 uploaded" in result.stdout
+
+
+def test_s3_output(s3_bucket, sample_xml, tmp_path):
+    dump = tmp_path / "small.xml.bz2"
+    dump.write_bytes(bz2.compress(small_dump(sample_xml, 0, 20)))
+    out = f"{s3_bucket}/wiki/v1"
+    result = run_cli("--input", dump, "--out", out)
+    assert result.returncode == 0, result.stderr
+    manifest = read_manifest(f"{out}/sentences")
+    shard = storage.read_bytes(storage.join(f"{out}/sentences", manifest["shards"][0]["name"]))
+    assert hashlib.sha256(shard).hexdigest() == manifest["shards"][0]["sha256"]
+    local = tmp_path / "shard.tar"
+    local.write_bytes(shard)
+    with tarfile.open(local) as tar:
+        assert tar.getnames()[:2] == [f"en-12-00000.json", "en-12-00000.txt"]
+    assert read_manifest(f"{out}/documents")["samples"] > 0
+    assert sorted(storage.list_prefix(out))[-1].endswith("sentences/shard-000000.tar")
+
+
+def test_utf16_and_multistream_match_utf8(sample_xml, tmp_path):
+    xml = small_dump(sample_xml, 0, 12)
+    inputs = {
+        "utf8.xml": xml,
+        "utf16.xml": xml.decode("utf-8").encode("utf-16"),  # with BOM
+        # Multistream: two bz2 streams back to back, split in the middle of the text.
+        "multi.xml.bz2": bz2.compress(xml[: len(xml) // 2]) + bz2.compress(xml[len(xml) // 2:]),
+    }
+    texts = {}
+    for name, data in inputs.items():
+        (tmp_path / name).write_bytes(data)
+        out = tmp_path / f"out-{name}"
+        result = run_cli("--input", tmp_path / name, "--out", out)
+        assert result.returncode == 0, (name, result.stderr)
+        texts[name] = [s["txt"] for s in read_stream(out / "sentences", read_manifest(str(out / "sentences")))]
+    assert len(texts["utf8.xml"]) > 100
+    assert texts["utf16.xml"] == texts["utf8.xml"] == texts["multi.xml.bz2"]
+
+
+def test_truncated_bz2(tmp_path):
+    data = SAMPLE.read_bytes()
+    half = tmp_path / "half.xml.bz2"
+    half.write_bytes(data[: len(data) // 2])
+    result = run_cli("--input", half, "--out", tmp_path / "out")
+    assert result.returncode == 3
+    assert str(half) in result.stderr and f"byte {len(data) // 2}" in result.stderr
+    assert "Traceback" not in result.stderr
+    manifest = read_manifest(str(tmp_path / "out" / "sentences"))
+    (source,) = manifest["sources"]
+    assert source["status"] == "truncated" and source["error"] and source["byte_offset"] == len(data) // 2
+    assert 0 < source["pages_read"] < 206 and manifest["samples"] > 0
+    ok = run_cli("--input", half, "--out", tmp_path / "out2", "--allow-truncated")
+    assert ok.returncode == 0 and "warning" in ok.stderr
+    assert read_manifest(str(tmp_path / "out2" / "sentences"))["samples"] == manifest["samples"]
+
+
+def test_corrupt_bz2(tmp_path, sample_xml):
+    data = bytearray(bz2.compress(small_dump(sample_xml, 0, 40)))
+    middle = len(data) // 2
+    data[middle:middle + 32] = bytes(b ^ 0xFF for b in data[middle:middle + 32])
+    bad = tmp_path / "corrupt.xml.bz2"
+    bad.write_bytes(bytes(data))
+    result = run_cli("--input", bad, "--out", tmp_path / "out")
+    assert result.returncode == 3, result.stderr
+    assert f"{bad}: corrupt bz2 data" in result.stderr and "reading stopped at byte" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["not_a_dump", "not_xml", "empty", "missing", "no_articles"])
+def test_unusable_input_exits_2(kind, tmp_path, sample_xml):
+    path = tmp_path / f"{kind}.xml"
+    if kind == "not_a_dump":
+        path.write_text('<?xml version="1.0"?><rss><channel><title>x</title></channel></rss>')
+    elif kind == "not_xml":
+        path.write_bytes(b"\x00\x01 binary junk, certainly not XML \xff\xfe")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "no_articles":  # only redirects
+        path.write_bytes(small_dump(sample_xml, 0, 1))
+    out = tmp_path / "out"
+    result = run_cli("--input", path, "--out", out)
+    assert result.returncode == 2, result.stderr
+    assert str(path) in result.stderr and "error" in result.stderr and "Traceback" not in result.stderr
+    assert not list(out.rglob("manifest.json"))
+
+
+def test_s3_missing_bucket(s3_server, tmp_path):
+    result = run_cli("--input", SAMPLE, "--out", "s3://no-such-bucket-here/x")
+    assert result.returncode == 2
+    assert "s3://no-such-bucket-here/x" in result.stderr and "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_s3_wrong_credentials(s3_auth_server, sample_xml, tmp_path):
+    dump = tmp_path / "small.xml"
+    dump.write_bytes(small_dump(sample_xml, 0, 3))
+    env = {"AWS_ENDPOINT_URL": s3_auth_server["endpoint"], "AWS_ACCESS_KEY_ID": s3_auth_server["access_key_id"],
+           "AWS_SECRET_ACCESS_KEY": s3_auth_server["secret_access_key"], "AWS_DEFAULT_REGION": "us-east-1"}
+    out = f"{s3_auth_server['bucket_url']}/wiki"
+    assert run_cli("--input", dump, "--out", out, env=env).returncode == 0  # right key: works
+    result = run_cli("--input", dump, "--out", out, env={**env, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert result.returncode == 2
+    assert out in result.stderr and "credentials" in result.stderr and "Traceback" not in result.stderr
