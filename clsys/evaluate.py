@@ -168,10 +168,6 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         parser.error(str(e))
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # e.g. the "unexpected pooler weights" report: dropped on purpose
-    hf_logging.disable_progress_bar()
     try:
         path = resolve_model_path(args.model)
         # Only hub-id-shaped names ("org/name") may be meant for the hub; anything else is a missing
@@ -193,7 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(rows))
     if args.json is not None:
         result = {"model": args.model, "max_length": max_length, "results": rows}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            parser.error(f"cannot write --json: {e}")
 
 
 if __name__ == "__main__":

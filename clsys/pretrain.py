@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 # Ray must not pick the machine's external address for its services and gloo (see README).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -58,12 +59,15 @@ def init_ray(cfg: Config) -> None:
     env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
     if not cfg.cluster.use_gpu:
         env.setdefault("DS_ACCELERATOR", "cpu")
+    # Ray Train routes workers' print() through its logger, which reaches the console twice.
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env})
+        print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
         return
-    needed = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
-    ray.init(address="local", num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False,
-             runtime_env={"env_vars": env}, log_to_driver=True)
+    cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env})
+    print(f"[clsys] started a local Ray cluster with {cpus} CPUs (set RAY_ADDRESS to join one)", flush=True)
 
 
 def train(cfg: Config, resume: str | None) -> None:
@@ -118,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
-        # Workers may run elsewhere than the driver's folder: ship absolute locations.
+        # Ray Train workers do not run in the driver's folder: ship absolute locations.
         if "://" not in cfg.data.url:
             cfg.data.url = os.path.abspath(cfg.data.url)
+        if "://" not in cfg.train.run_root:
+            cfg.train.run_root = os.path.abspath(cfg.train.run_root)
         run = run_url(cfg)
         storage.check_bucket(run)
         resume = resolve_resume(cfg, run)
@@ -134,20 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)
     train(cfg, resume)
 
+    from clsys.engine.loop import local_tensorboard_dir
     from clsys.export import export
 
     exported = storage.join(run, "export")
     export(run, exported)
-    exported_local = storage.parse(exported).path if not storage.is_s3(exported) else exported
-    if cfg.eval.sts_test and not storage.is_s3(exported):
-        compare_on_sts(cfg, exported_local)
-    from clsys.engine.loop import local_tensorboard_dir
+    if cfg.eval.sts_test:
+        with tempfile.TemporaryDirectory() as local:
+            if storage.is_s3(exported):
+                storage.download_dir(exported, local)
+            compare_on_sts(cfg, local if storage.is_s3(exported) else storage.parse(exported).path)
 
     print("\n[clsys] done")
     print(f"  shards:      {stream}")
     print(f"  checkpoints: {storage.join(run, 'checkpoints')}")
-    print(f"  model:       {exported_local}")
-    print(f"  logs:        tensorboard --logdir {local_tensorboard_dir(cfg)} --host 127.0.0.1")
+    print(f"  model:       {exported}")
+    if storage.is_s3(run):
+        print(f"  logs:        {storage.join(run, 'tensorboard')} (copied there at every checkpoint)")
+    else:
+        print(f"  logs:        tensorboard --logdir {local_tensorboard_dir(cfg)} --host 127.0.0.1")
     return 0
 
 

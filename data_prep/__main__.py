@@ -16,7 +16,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m data_prep",
+                                     description="Offline data preparation: raw corpora -> WebDataset shards + manifest.")
     parser.add_argument("--version", action="version", version=f"data_prep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

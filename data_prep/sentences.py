@@ -1,7 +1,7 @@
 """Language-aware sentence splitting (Wikimedia's sentencex) and sentence → passage packing."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sentencex import segment
 
@@ -10,6 +10,9 @@ from sentencex import segment
 MIN_WORDS = 3
 MIN_CHARS = 15
 MAX_CHARS = 1000
+# Wiki markup that survived cleaning (mwparserfromhell gives up on some malformed constructs):
+# such a sentence is debris, not prose.
+MARKUP = ("[[", "]]", "{{", "}}", "|")  # a pipe in prose is nearly always table/template debris
 # sentencex falls back through its own language chains; "und" (unknown) uses English rules.
 FALLBACK_LANG = "en"
 
@@ -18,22 +21,13 @@ FALLBACK_LANG = "en"
 class SplitStats:
     too_short: int = 0
     too_long: int = 0
-
-    def add(self, other: "SplitStats") -> None:
-        self.too_short += other.too_short
-        self.too_long += other.too_long
+    markup: int = 0
 
 
 @dataclass
 class Passage:
     text: str
     n_words: int
-
-
-@dataclass
-class SectionSentences:
-    heading: str
-    sentences: list[str] = field(default_factory=list)
 
 
 def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
@@ -47,6 +41,8 @@ def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
             stats.too_long += 1
         elif len(sentence) < MIN_CHARS or len(sentence.split()) < MIN_WORDS:
             stats.too_short += 1
+        elif any(m in sentence for m in MARKUP):
+            stats.markup += 1
         else:
             out.append(sentence)
     return out

@@ -45,14 +45,15 @@ class ShardWriter:
     tmp_dir: str
     max_bytes: int
     previous: dict[str, str] = field(default_factory=dict)
-    shards: list[ShardInfo] = field(default_factory=list)
-    uploaded: int = 0
-    unchanged: int = 0
-    _tar: tarfile.TarFile | None = None
-    _path: str = ""
-    _samples: int = 0
-    _size: int = 0
-    _old_manifest_removed: bool = False
+    shards: list[ShardInfo] = field(default_factory=list, init=False)
+    uploaded: int = field(default=0, init=False)
+    unchanged: int = field(default=0, init=False)
+    # The shard being filled: open tar in tmp_dir, its samples and (estimated) bytes.
+    _tar: tarfile.TarFile | None = field(default=None, init=False, repr=False)
+    _path: str = field(default="", init=False, repr=False)
+    _samples: int = field(default=0, init=False, repr=False)
+    _size: int = field(default=0, init=False, repr=False)
+    _old_manifest_removed: bool = field(default=False, init=False, repr=False)
 
     @property
     def samples(self) -> int:
@@ -113,6 +114,9 @@ class ShardWriter:
                     "shards": [asdict(s) for s in self.shards], "samples": self.samples, **extra}
         url = storage.join(self.url, MANIFEST)
         storage.write_json(url, manifest)
+        # Shards of an earlier, bigger run that the new manifest no longer lists.
+        for name in sorted(set(self.previous) - {s.name for s in self.shards}):
+            storage.delete(storage.join(self.url, name))
         return url
 
 

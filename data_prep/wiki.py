@@ -1,8 +1,11 @@
-"""MediaWiki XML dumps: a streaming page reader and a wikitext → plain-text cleaner.
+"""``data_prep wiki``: MediaWiki XML dumps → sentence and passage shards.
 
-The reader decompresses and parses incrementally (``XMLPullParser`` fed 64 KiB chunks), so a
-multi-GB dump never sits in memory, and it knows at every moment how many *input* bytes it has
-consumed: that is the offset reported when a dump turns out to be truncated or corrupt.
+Two parts: a streaming page reader, and the command that feeds articles through a process pool
+(wikitext cleaning in ``wikitext.py``, sentence splitting in ``sentences.py``) into two
+``ShardWriter`` streams. The reader decompresses and parses incrementally (``XMLPullParser`` fed
+64 KiB chunks), so a multi-GB dump never sits in memory, and it knows at every moment how many
+*input* bytes it has consumed: that is the offset reported when a dump turns out to be truncated
+or corrupt.
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import dataclasses
 import functools
 import multiprocessing
 import os
-import re
 import sys
 import tempfile
 import time
@@ -22,9 +24,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
 
-import mwparserfromhell
-from mwparserfromhell.nodes import (Argument, Comment, ExternalLink, Heading, HTMLEntity, Tag, Template,
-                                    Text, Wikilink)
 from tqdm import tqdm
 
 from clsys import storage
@@ -32,35 +31,13 @@ from clsys.storage import StorageError
 from data_prep import __version__
 from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
 from data_prep.shards import ShardWriter, previous_shas
+from data_prep.wikitext import CATEGORY_PREFIXES, MEDIA_PREFIXES, WikitextCleaner
 
 CHUNK_BYTES = 1 << 16  # small enough that a fault is located to within 64 KiB of input
 
 # Wikimedia project suffixes of a dbname ("enwiki", "dewiktionary", "zh_yuewiki") → language prefix.
 _DBNAME_SUFFIXES = ("wiktionary", "wikibooks", "wikinews", "wikiquote", "wikisource", "wikiversity",
                     "wikivoyage", "wiki")
-
-# Tail sections that hold no prose (matched case-insensitively on the rendered heading).
-TAIL_SECTIONS = frozenset({
-    "references", "external links", "see also", "notes", "further reading", "bibliography", "sources",
-    "citations", "footnotes", "notes and references", "references and notes",
-    "einzelnachweise", "weblinks", "siehe auch", "literatur", "anmerkungen", "quellen",  # de
-    "références", "liens externes", "voir aussi", "notes et références", "bibliographie",  # fr
-    "referencias", "enlaces externos", "véase también", "bibliografía", "notas",  # es
-})
-# Tags whose content is not prose: dropped with everything inside.
-_DROP_TAGS = frozenset({"ref", "references", "table", "gallery", "math", "chem", "ce", "score", "timeline",
-                        "imagemap", "graph", "mapframe", "maplink", "syntaxhighlight", "source", "pre", "code",
-                        "templatedata", "templatestyles", "style", "script", "noinclude", "includeonly"})
-# Tags that start a new paragraph: list items / definition lists and block elements.
-_BREAK_TAGS = frozenset({"li", "dt", "dd", "p", "div", "blockquote", "center", "tr", "hr"})
-# Canonical names; localized ones (Datei, Kategorie, …) come from the dump's <siteinfo>.
-_MEDIA_PREFIXES = ("file", "image", "media")
-_CATEGORY_PREFIXES = ("category",)
-_INTERLANG = re.compile(r"^[a-z]{2,3}(?:-[a-z0-9]+)*$")
-_MAGIC_WORD = re.compile(r"__[A-Z]+__")
-_EMPTY_PARENS = re.compile(r"\(\s*[,;:]?\s*\)|\[\s*\]")
-_SPACE_BEFORE_PUNCT = re.compile(r"\s+([,.;:!?)])")
-_SPACES = re.compile(r"[ \t\u00a0]+")
 
 
 class DumpError(Exception):
@@ -74,16 +51,13 @@ class TruncatedDump(Exception):
         super().__init__(message, byte_offset)
         self.message, self.byte_offset = message, byte_offset
 
-    def __str__(self) -> str:
-        return f"{self.message} (reading stopped at byte {self.byte_offset})"
-
 
 @dataclass
 class SiteInfo:
     dbname: str | None = None
     base: str | None = None
-    media_prefixes: set[str] = field(default_factory=lambda: set(_MEDIA_PREFIXES))
-    category_prefixes: set[str] = field(default_factory=lambda: set(_CATEGORY_PREFIXES))
+    media_prefixes: set[str] = field(default_factory=lambda: set(MEDIA_PREFIXES))
+    category_prefixes: set[str] = field(default_factory=lambda: set(CATEGORY_PREFIXES))
 
     @property
     def lang(self) -> str:
@@ -247,105 +221,6 @@ class DumpReader:
         return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect)
 
 
-# ----------------------------------------------------------------------------- wikitext cleaning
-
-@dataclass
-class Section:
-    heading: str  # heading path joined by " > "; "" for the lead section
-    paragraphs: list[str]
-
-
-class WikitextCleaner:
-    """Renders wikitext to the prose a reader sees, using mwparserfromhell's node tree."""
-
-    def __init__(self, media_prefixes=_MEDIA_PREFIXES, category_prefixes=_CATEGORY_PREFIXES):
-        self.media_prefixes = {p.lower() for p in media_prefixes}
-        self.category_prefixes = {p.lower() for p in category_prefixes}
-
-    def sections(self, wikitext: str) -> list[Section]:
-        """Split at headings (any level), render each section, drop tail sections and their children."""
-        code = mwparserfromhell.parse(wikitext)
-        out: list[Section] = []
-        path: list[tuple[int, str]] = []  # (level, title) of the enclosing headings
-        skip_below: int | None = None  # inside a tail section of this level
-        nodes: list = []
-
-        def flush() -> None:
-            if skip_below is None:
-                paragraphs = self._paragraphs(self.render(nodes))
-                if paragraphs:
-                    out.append(Section(" > ".join(t for _, t in path), paragraphs))
-            nodes.clear()
-
-        for node in code.nodes:
-            if not isinstance(node, Heading):
-                nodes.append(node)
-                continue
-            flush()
-            title = _clean_line(self.render(node.title.nodes))
-            path = [(lvl, t) for lvl, t in path if lvl < node.level] + [(node.level, title)]
-            if skip_below is not None and node.level <= skip_below:
-                skip_below = None
-            if skip_below is None and title.lower().rstrip(":") in TAIL_SECTIONS:
-                skip_below = node.level
-        flush()
-        return out
-
-    def render(self, nodes) -> str:
-        parts: list[str] = []
-        for node in nodes:
-            if isinstance(node, Text):
-                parts.append(node.value)
-            elif isinstance(node, HTMLEntity):
-                parts.append(node.normalize())
-            elif isinstance(node, Wikilink):
-                parts.append(self._wikilink(node))
-            elif isinstance(node, ExternalLink):
-                parts.append(self.render(node.title.nodes) if node.title else "")
-            elif isinstance(node, Tag):
-                parts.append(self._tag(node))
-            elif isinstance(node, Heading):  # a heading nested in a tag: keep it as its own line
-                parts.append("\n\n" + self.render(node.title.nodes) + "\n\n")
-            elif isinstance(node, (Template, Comment, Argument)):
-                continue
-        return "".join(parts)
-
-    def _wikilink(self, link: Wikilink) -> str:
-        target = str(link.title).strip()
-        prefix = target.split(":", 1)[0].strip().lower() if ":" in target else ""
-        if not target.startswith(":"):
-            if prefix in self.media_prefixes or prefix in self.category_prefixes:
-                return ""
-            if _INTERLANG.match(prefix) and link.text is None:
-                return ""  # [[de:Foo]] is an interlanguage link, not rendered in the text
-        if link.text is not None:
-            return self.render(link.text.nodes)
-        return target.lstrip(":").split("#", 1)[0] or target.lstrip("#")
-
-    def _tag(self, tag: Tag) -> str:
-        name = str(tag.tag).strip().lower()
-        if name in _DROP_TAGS:
-            return ""
-        if name == "br":
-            return " "
-        inner = self.render(tag.contents.nodes) if tag.contents is not None else ""
-        return f"\n\n{inner}" if name in _BREAK_TAGS else inner
-
-    @staticmethod
-    def _paragraphs(text: str) -> list[str]:
-        """Blank lines separate paragraphs; a single newline inside one renders as a space."""
-        text = _MAGIC_WORD.sub("", text)
-        return [p for p in (_clean_line(block) for block in re.split(r"\n\s*\n", text)) if p]
-
-
-def _clean_line(text: str) -> str:
-    text = _SPACES.sub(" ", text.replace("\n", " "))
-    # Removed templates/refs leave "( )" or "(; )" and spaces before punctuation behind.
-    text = _EMPTY_PARENS.sub("", text)
-    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
-    return _SPACES.sub(" ", text).strip()
-
-
 # ----------------------------------------------------------------------------- the `wiki` command
 
 @dataclass
@@ -375,6 +250,9 @@ class PageTask:
 
 @dataclass
 class PageResult:
+    lang: str
+    page_id: int
+    title: str
     sections: list[tuple[str, list[str], list[Passage]]]  # (heading, sentences, passages)
     stats: SplitStats
 
@@ -392,7 +270,7 @@ def process_page(task: PageTask) -> PageResult:
         sentences = [s for p in section.paragraphs for s in split_sentences(task.lang, p, stats)]
         if sentences:
             sections.append((section.heading, sentences, pack_passages(sentences, task.passage_words)))
-    return PageResult(sections, stats)
+    return PageResult(task.lang, task.page_id, task.title, sections, stats)
 
 
 def _ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
@@ -421,7 +299,7 @@ class WikiJob:
         self.streams = {name: ShardWriter(storage.join(args.out, name), tmp_dir, max_bytes,
                                           previous_shas(storage.join(args.out, name)))
                         for name in ("sentences", "documents")}
-        self.skipped = dict.fromkeys(("redirect", "non_article", "duplicate", "empty", "too_short", "too_long"), 0)
+        self.skipped = dict.fromkeys(("redirect", "non_article", "duplicate", "empty", "too_short", "too_long", "markup"), 0)
         self.sources: list[SourceReport] = []
         self.seen: set[tuple[str, int]] = set()
         self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
@@ -448,20 +326,22 @@ class WikiJob:
         except TruncatedDump as err:
             report.status, report.error, report.byte_offset = "truncated", err.message, err.byte_offset
 
-    def write(self, task: PageTask, result: PageResult) -> None:
+    def write(self, result: PageResult) -> None:
         self.skipped["too_short"] += result.stats.too_short
         self.skipped["too_long"] += result.stats.too_long
+        self.skipped["markup"] += result.stats.markup
         if not result.sections:
             self.skipped["empty"] += 1
             return
         n_sent = n_doc = 0
         for heading, sentences, passages in result.sections:
-            meta = {"lang": task.lang, "page_id": task.page_id, "title": task.title, "section": heading}
+            meta = {"lang": result.lang, "page_id": result.page_id, "title": result.title, "section": heading}
+            key = f"{result.lang}-{result.page_id}"
             for sentence in sentences:
-                self.streams["sentences"].write(f"{task.lang}-{task.page_id}-{n_sent:05d}", sentence, meta)
+                self.streams["sentences"].write(f"{key}-{n_sent:05d}", sentence, meta)
                 n_sent += 1
             for passage in passages:
-                self.streams["documents"].write(f"{task.lang}-{task.page_id}-{n_doc:05d}", passage.text,
+                self.streams["documents"].write(f"{key}-{n_doc:05d}", passage.text,
                                                 {**meta, "n_chars": len(passage.text)})
                 n_doc += 1
 
@@ -473,11 +353,8 @@ class WikiJob:
                 info = reader.siteinfo
                 report = SourceReport(os.path.basename(reader.path), info.lang, info.dbname)
                 self.sources.append(report)
-                todo = self.tasks(reader, report)
-                # Pair each result with its task without keeping the page text alive in the main process.
-                meta = collections.deque()
-                for result in _ordered_map(pool, process_page, _remember(todo, meta), window=32 * workers):
-                    self.write(meta.popleft(), result)
+                for result in _ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
+                    self.write(result)
         finally:
             self.bar.close()
             if pool is not None:
@@ -488,19 +365,16 @@ class WikiJob:
                 "sources": [dataclasses.asdict(s) for s in self.sources], "skipped": dict(self.skipped)}
 
 
-def _remember(tasks: Iterator[PageTask], meta: collections.deque) -> Iterator[PageTask]:
-    for task in tasks:
-        meta.append(PageTask(task.lang, task.page_id, task.title, "", frozenset(), frozenset(), 0))
-        yield task
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="DUMP",
                    help="MediaWiki XML dump(s): .xml or .bz2 (multistream ok)")
     p.add_argument("--out", required=True, metavar="URL", help="output folder: s3://bucket/prefix, file:///abs or a path")
-    p.add_argument("--shard-size-mb", type=_positive(float), default=64.0, help="roll shards over at this size (MiB)")
-    p.add_argument("--workers", type=_positive(int), default=1, help="processes parsing wikitext")
-    p.add_argument("--passage-words", type=_positive(int), default=200, help="word budget of a documents passage")
+    p.add_argument("--shard-size-mb", type=_positive(float), default=64.0, metavar="N",
+                   help="roll shards over at this size in MiB, fractions allowed (default: 64)")
+    p.add_argument("--workers", type=_positive(int), default=1, metavar="N",
+                   help="processes parsing wikitext; output is identical for any N (default: 1)")
+    p.add_argument("--passage-words", type=_positive(int), default=200, metavar="N",
+                   help="word budget of a passage in the documents stream (default: 200)")
     p.add_argument("--allow-truncated", action="store_true",
                    help="exit 0 (with a warning) when an input is truncated or corrupt; its good pages are kept")
 
@@ -540,11 +414,10 @@ def main(args: argparse.Namespace) -> int:
             if job.streams["sentences"].samples == 0:
                 return _fail(f"{', '.join(args.input)}: no article text found (articles: "
                              f"{sum(s.articles for s in job.sources)}); nothing written", 3 if truncated else 2)
-            urls = {}
-            for name, writer in job.streams.items():
+            for writer in job.streams.values():
                 writer.close()
-            for name, writer in job.streams.items():  # manifests last, after every shard of both streams
-                urls[name] = writer.write_manifest(job.manifest_extra())
+            # Manifests last, once every shard of both streams is uploaded.
+            urls = {name: writer.write_manifest(job.manifest_extra()) for name, writer in job.streams.items()}
     except StorageError as err:
         return _fail(str(err))
     _summary(job, urls, time.time() - start)

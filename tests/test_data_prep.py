@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from clsys import storage
-from data_prep.sentences import pack_passages, split_sentences, SplitStats
+from data_prep.sentences import SplitStats, pack_passages, split_sentences
 from data_prep.shards import read_manifest
-from data_prep.wiki import WikitextCleaner
+from data_prep.wiki import SiteInfo
+from data_prep.wikitext import WikitextCleaner
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -90,6 +91,16 @@ She studied <b>maths</b>.<ref>Book.</ref>
     everything = " ".join(p for s in sections for p in s.paragraphs)
     for gone in ("Infobox", "cite", "portrait", "cell", "comment", "Babbage", "Mathematicians", "reflist", "de:", "http"):
         assert gone not in everything
+
+
+def test_localized_dump_names():
+    de = WikitextCleaner(media_prefixes=("file", "datei"), category_prefixes=("category", "kategorie"))
+    sections = de.sections("Berlin ist eine Stadt.[[Datei:B.jpg|Bild]]\n== Geschichte ==\nAlt.\n"
+                           "== Einzelnachweise ==\n<references />\n== Weblinks ==\n* x\n[[Kategorie:Stadt]]")
+    assert [(s.heading, s.paragraphs) for s in sections] == [("", ["Berlin ist eine Stadt."]), ("Geschichte", ["Alt."])]
+    assert SiteInfo(dbname="dewiki").lang == "de"
+    assert SiteInfo(dbname="zh_yuewiki").lang == "zh-yue"
+    assert SiteInfo(base="https://fr.wikipedia.org/wiki/Accueil").lang == "fr"
 
 
 def test_sentences_filter_and_passages():
@@ -167,17 +178,23 @@ def test_s3_output(s3_bucket, sample_xml, tmp_path):
     dump = tmp_path / "small.xml.bz2"
     dump.write_bytes(bz2.compress(small_dump(sample_xml, 0, 20)))
     out = f"{s3_bucket}/wiki/v1"
-    result = run_cli("--input", dump, "--out", out)
+    small = run_cli("--input", dump, "--out", out, "--shard-size-mb", "0.05")
+    assert small.returncode == 0, small.stderr
+    assert len(read_manifest(f"{out}/sentences")["shards"]) > 2
+    result = run_cli("--input", dump, "--out", out)  # bigger shards: the old ones must go
     assert result.returncode == 0, result.stderr
     manifest = read_manifest(f"{out}/sentences")
+    assert len(manifest["shards"]) == 1
+    assert [u.rsplit("/", 2)[-2:] for u in storage.list_prefix(out)] == [
+        ["documents", "manifest.json"], ["documents", "shard-000000.tar"],
+        ["sentences", "manifest.json"], ["sentences", "shard-000000.tar"]]
     shard = storage.read_bytes(storage.join(f"{out}/sentences", manifest["shards"][0]["name"]))
     assert hashlib.sha256(shard).hexdigest() == manifest["shards"][0]["sha256"]
     local = tmp_path / "shard.tar"
     local.write_bytes(shard)
     with tarfile.open(local) as tar:
-        assert tar.getnames()[:2] == [f"en-12-00000.json", "en-12-00000.txt"]
+        assert tar.getnames()[:2] == ["en-12-00000.json", "en-12-00000.txt"]
     assert read_manifest(f"{out}/documents")["samples"] > 0
-    assert sorted(storage.list_prefix(out))[-1].endswith("sentences/shard-000000.tar")
 
 
 def test_utf16_and_multistream_match_utf8(sample_xml, tmp_path):

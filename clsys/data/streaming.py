@@ -11,7 +11,8 @@ How an epoch is laid out (every rank computes the same plan from the manifest, n
 
 Position: ``LoaderState(epoch, batches)``. ``DataLoader`` takes batches from its workers in
 round-robin order, so the number of batches each worker has produced after ``batches`` is
-computable; a resumed worker replays its shuffle without collating the skipped batches.
+computable; a resumed worker replays its shuffle without collating the skipped batches, and the
+workers are rotated so that the DataLoader's first worker is the one whose turn it was.
 
 Only ``txt`` and ``json`` members are decoded; anything else (a pickle, say) is refused.
 """
@@ -127,27 +128,26 @@ def plan_epoch(shards: list[Shard], epoch: int, seed: int, ranks: int, workers: 
     return EpochPlan(table, micro_batch, min(per_rank))
 
 
-def round_robin_counts(worker_batches: list[int], consumed: int) -> list[int]:
-    """How many batches each worker has produced when the DataLoader has handed out ``consumed``.
-
-    DataLoader asks workers in turn and skips a worker once it is exhausted.
-    """
-    produced = [0] * len(worker_batches)
+def round_robin_position(worker_batches: list[int], consumed: int) -> tuple[list[int], int]:
+    """After the DataLoader has handed out ``consumed`` batches: how many each worker produced, and
+    which worker is next in turn. DataLoader asks workers in turn and skips exhausted ones."""
+    produced, turn = [0] * len(worker_batches), 0
     while consumed > 0:
-        for w, available in enumerate(worker_batches):
-            if consumed > 0 and produced[w] < available:
-                produced[w] += 1
-                consumed -= 1
-    return produced
+        if produced[turn] < worker_batches[turn]:
+            produced[turn] += 1
+            consumed -= 1
+        turn = (turn + 1) % len(worker_batches)
+    return produced, turn
 
 
 class RankStream(IterableDataset):
     """The batches of one rank in one epoch; each DataLoader worker reads its own shards."""
 
     def __init__(self, plan: EpochPlan, rank: int, epoch: int, seed: int, shuffle_buffer: int,
-                 collate: Callable[[list[dict]], dict], skip: list[int], verify: bool):
+                 collate: Callable[[list[dict]], dict], skip: list[int], rotation: int, verify: bool):
         self.plan, self.rank, self.epoch, self.seed = plan, rank, epoch, seed
-        self.shuffle_buffer, self.collate, self.skip, self.verify = shuffle_buffer, collate, skip, verify
+        self.shuffle_buffer, self.collate, self.verify = shuffle_buffer, collate, verify
+        self.skip, self.rotation = skip, rotation
 
     def _samples(self, worker: int) -> Iterator[dict]:
         rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}")
@@ -165,7 +165,8 @@ class RankStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        workers = len(self.skip)
+        worker = ((info.id if info is not None else 0) + self.rotation) % workers
         micro = self.plan.micro_batch
         limit = self.plan.worker_batches(self.rank)[worker]
         batch: list[dict] = []
@@ -205,9 +206,9 @@ class ShardLoader:
         """Endless: epoch after epoch, starting from the saved position."""
         while True:
             plan = plan_epoch(self.shards, self.state.epoch, self.seed, self.ranks, self.workers, self.micro_batch)
-            skip = round_robin_counts(plan.worker_batches(self.rank), self.state.batches)
+            skip, rotation = round_robin_position(plan.worker_batches(self.rank), self.state.batches)
             dataset = RankStream(plan, self.rank, self.state.epoch, self.seed, self.shuffle_buffer,
-                                 self.collate, skip, self.verify)
+                                 self.collate, skip, rotation, self.verify)
             loader = DataLoader(dataset, batch_size=None, num_workers=self.workers)
             for batch in loader:
                 if self.state.batches >= plan.batches_per_rank:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
 
 import torch
@@ -24,11 +25,12 @@ from clsys.objectives import OBJECTIVES, Objective
 
 
 def local_tensorboard_dir(cfg: Config) -> str:
-    """TensorBoard writes to a local folder: the run's own when the run is local, else a mirror."""
+    """TensorBoard writes to a local folder: the run's own when the run is local, else a mirror
+    that is copied to ``<run>/tensorboard`` at every checkpoint."""
     run = storage.parse(run_url(cfg))
     if run.scheme == "file":
         return os.path.join(run.path, "tensorboard")
-    return os.path.abspath(os.path.join("runs", cfg.train.name, "tensorboard"))
+    return os.path.join(tempfile.gettempdir(), "clsys-tensorboard", cfg.train.name)
 
 
 def _choose_resume(run: str, requested: str | None) -> str | None:
@@ -43,19 +45,16 @@ def _choose_resume(run: str, requested: str | None) -> str | None:
     return choice[0]
 
 
-def _evaluate_dev(objective: Objective, dev_set, cfg: Config, zero3: bool) -> dict | None:
-    """STS dev score on rank 0. Under ZeRO-3 every rank must take part in gathering the weights."""
-    import deepspeed
+def _evaluate_dev(objective: Objective, dev_set, cfg: Config) -> dict:
+    """STS dev score, computed by every rank on the same batches.
 
+    Under ZeRO-3 each forward gathers the partitioned weights collectively, so all ranks must run
+    the same forwards in step; under ZeRO 0-2 the other ranks would only wait for rank 0 anyway.
+    """
     from clsys.evaluate import evaluate_sts
 
-    encoder, result = objective.encoder(), None
-    with deepspeed.zero.GatheredParameters(list(encoder.parameters()), enabled=zero3):
-        if dist.get_rank() == 0:
-            result = evaluate_sts(encoder, objective.tokenizer, dev_set, pooling=cfg.eval.pooling,
-                                  batch_size=cfg.eval.batch_size)
-    dist.barrier()
-    return result
+    return evaluate_sts(objective.encoder(), objective.tokenizer, dev_set, pooling=cfg.eval.pooling,
+                        batch_size=cfg.eval.batch_size)
 
 
 def _dev_set(cfg: Config):
@@ -98,7 +97,6 @@ def train_worker(payload: dict) -> None:
         if rank == 0:
             print(f"[clsys] resumed from {resume} at step {step}", flush=True)
 
-    zero3 = cfg.train.zero_stage == 3
     tb = TensorBoard(local_tensorboard_dir(cfg) if rank == 0 else None)
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
@@ -120,9 +118,9 @@ def train_worker(payload: dict) -> None:
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
 
     def evaluate(at_step: int) -> None:
-        result = _evaluate_dev(objective, dev_set, cfg, zero3)
-        if result is not None:
-            tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
+        result = _evaluate_dev(objective, dev_set, cfg)
+        tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
+        if rank == 0:
             print(f"[clsys] step {at_step}: {dev_set.name} Spearman {result['spearman']:.2f}", flush=True)
 
     if dev_set is not None and step == 0:

@@ -53,7 +53,12 @@ def _without_pooler(config) -> dict:
 def load_encoder(name: str, **overrides) -> nn.Module:
     """A bare pretrained ``AutoModel`` without the NSP pooler layer; ``overrides`` patch its config."""
     from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
 
+    # Loading without the pooler makes transformers report its weights as "unexpected": we drop
+    # them on purpose, so keep that report (and the per-tensor progress bar) off the console.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path, **overrides)
     return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))

@@ -1,0 +1,132 @@
+"""End to end on real parts: data_prep → S3 (moto) → Ray Train workers running DeepSpeed ZeRO-2/3 on
+CPU → checkpoints and TensorBoard events on S3 → resume → export → AutoModel / SentenceTransformer."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clsys import storage
+from clsys.engine.checkpoint import complete_checkpoints
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = sorted((REPO / "data_prep" / "samples").glob("*.bz2"))
+pytestmark = pytest.mark.slow
+
+# A few steps of the quickstart recipe, small enough for a test.
+SHORT = ["train.log_every=1", "train.batch_size=16", "eval.max_pairs=64", "eval.sts_test="]
+
+
+def run(*args: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", str(out),
+               "--shard-size-mb", "2").returncode == 0
+    return str(out)
+
+
+def tensorboard_scalars(logdir: str) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
+    shards, runs = f"{s3_bucket}/shards", f"{s3_bucket}/runs"
+    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
+               "--shard-size-mb", "2").returncode == 0
+    common = ["--config", "quickstart", *SHORT, f"data.url={shards}", f"train.run_root={runs}",
+              "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2"]
+
+    first = run("-m", "clsys.pretrain", *common, "train.steps=4")
+    assert first.returncode == 0
+    run_url = f"{runs}/s3run"
+    assert [step for step, _ in complete_checkpoints(run_url)] == [2, 4]
+
+    events = tmp_path / "events"
+    storage.download_dir(f"{run_url}/tensorboard", str(events))
+    scalars = tensorboard_scalars(str(events))
+    for tag in ["train/loss", "train/lr", "train/grad_norm", "train/alignment", "train/uniformity",
+                "perf/samples_per_s", "perf/tokens_per_s", "perf/loader_wait_fraction", "eval/stsb-en-dev_spearman"]:
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+    assert len(scalars["train/loss"]) == 4 and all(v > 0 for v in scalars["train/loss"])
+    assert scalars["train/alignment"][-1] > 0, "the two dropout views are identical: is dropout on?"
+
+    # A fresh run over existing checkpoints is refused; --resume latest continues from step 4.
+    again = run("-m", "clsys.pretrain", *common, "train.steps=6")
+    assert again.returncode == 2 and "--resume latest" in again.stderr
+    resumed = run("-m", "clsys.pretrain", *common, "train.steps=6", "--resume", "latest")
+    assert resumed.returncode == 0
+    assert "step-00000004 at step 4" in resumed.stdout + resumed.stderr
+
+    out = tmp_path / "exported"
+    assert run("-m", "clsys.export", "--checkpoint", run_url, "--out", str(out)).returncode == 0
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    model, tok = AutoModel.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    batch = tok(["A cat sits on the mat.", "Stocks fell sharply."], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        cls = model(**batch).last_hidden_state[:, 0]
+    st = SentenceTransformer(str(out), device="cpu")
+    torch.testing.assert_close(torch.as_tensor(st.encode(["A cat sits on the mat.", "Stocks fell sharply."])),
+                               cls, rtol=1e-4, atol=1e-4)
+
+
+def test_zero3_local_with_grad_accumulation_and_export(local_shards, tmp_path):
+    # A relative run_root is relative to the driver's folder (Ray workers run elsewhere).
+    proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs",
+               "train.name=z3", "train.zero_stage=3", "train.grad_accum=2", "train.steps=3",
+               "train.ckpt_every=3", "eval.every=3", cwd=tmp_path)
+    assert proc.returncode == 0
+    exported = tmp_path / "runs" / "z3" / "export"
+    from transformers import AutoModel
+
+    from clsys.model.encoder import load_encoder
+
+    trained, base = AutoModel.from_pretrained(exported), load_encoder("all-MiniLM-L6-v2")
+    diffs = [(a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), base.state_dict().values())]
+    assert max(diffs) > 0, "export of a ZeRO-3 checkpoint returned the base weights"
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
+    assert (tmp_path / "runs" / "z3" / "tensorboard").is_dir()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.stepz=3", "unknown config key 'train.stepz'"),
+    ("train.zero_stage=banana", "train.zero_stage: expected an integer"),
+    ("train.batch_size=33", "not divisible"),
+    ("data.url=/nonexistent/shards", "/nonexistent/shards/sentences/manifest.json"),
+])
+def test_bad_config_or_data_fails_fast_with_the_key(override, message):
+    proc = run("-m", "clsys.pretrain", override, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_missing_bucket_is_named(s3_server, local_shards):
+    proc = run("-m", "clsys.pretrain", f"data.url={local_shards}", "train.run_root=s3://no-such-bucket/runs",
+               timeout=120)
+    assert proc.returncode == 2
+    assert "s3://no-such-bucket" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local_shards):
+    env = {**os.environ, "AWS_ENDPOINT_URL": s3_auth_server["endpoint"],
+           "AWS_ACCESS_KEY_ID": s3_auth_server["access_key_id"], "AWS_SECRET_ACCESS_KEY": "wrong-secret-123"}
+    proc = subprocess.run([sys.executable, "-m", "clsys.pretrain", f"data.url={local_shards}",
+                           f"train.run_root={s3_auth_server['bucket_url']}/runs"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "credentials" in proc.stderr and "wrong-secret-123" not in proc.stderr + proc.stdout
