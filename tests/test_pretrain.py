@@ -109,8 +109,8 @@ def test_zero3_local_with_grad_accumulation_and_export(local_shards, tmp_path):
     ("train.batch_size=33", "not divisible"),
     ("data.url=/nonexistent/shards", "/nonexistent/shards/sentences/manifest.json"),
 ])
-def test_bad_config_or_data_fails_fast_with_the_key(override, message):
-    proc = run("-m", "clsys.pretrain", override, timeout=120)
+def test_bad_config_or_data_fails_fast_with_the_key(override, message, tmp_path):
+    proc = run("-m", "clsys.pretrain", f"train.run_root={tmp_path}", override, timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr
 

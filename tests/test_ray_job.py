@@ -20,7 +20,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def ray_head(s3_server):
     """A real Ray head on 127.0.0.1 with the job server; token auth on, as `ray start` defaults to."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # The job's `python` is looked up on the head's PATH: make it this environment's, as an
+    # activated venv would.
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     dashboard = free_port()
     subprocess.run([RAY, "start", "--head", f"--port={free_port()}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
