@@ -47,7 +47,7 @@ def check_data(cfg: Config) -> str:
     from clsys.data.streaming import load_shards, plan_epoch
     from clsys.objectives import OBJECTIVES
 
-    stream = storage.join(cfg.data.url, OBJECTIVES[cfg.objective.name].stream)
+    stream = storage.join(cfg.data.url, OBJECTIVES[cfg.objective.name].stream(cfg))
     shards = load_shards(stream)
     plan_epoch(shards, 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers, cfg.micro_batch)
     return stream
@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)
     train(cfg, resume)
 
-    from clsys.engine.loop import local_tensorboard_dir
     from clsys.export import export
 
     exported = storage.join(run, "export")
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if storage.is_s3(run):
         print(f"  logs:        {storage.join(run, 'tensorboard')} (copied there at every checkpoint)")
     else:
-        print(f"  logs:        tensorboard --logdir {local_tensorboard_dir(cfg)} --host 127.0.0.1")
+        print(f"  logs:        tensorboard --logdir {storage.parse(run).path}/tensorboard --host 127.0.0.1")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 import time
 
@@ -25,12 +26,12 @@ from clsys.objectives import OBJECTIVES, Objective
 
 
 def local_tensorboard_dir(cfg: Config) -> str:
-    """TensorBoard writes to a local folder: the run's own when the run is local, else a mirror
-    that is copied to ``<run>/tensorboard`` at every checkpoint."""
+    """TensorBoard writes to a local folder: the run's own when the run is local, else a fresh
+    temporary one whose event files are copied to ``<run>/tensorboard`` at every checkpoint."""
     run = storage.parse(run_url(cfg))
     if run.scheme == "file":
         return os.path.join(run.path, "tensorboard")
-    return os.path.join(tempfile.gettempdir(), "clsys-tensorboard", cfg.train.name)
+    return tempfile.mkdtemp(prefix=f"clsys-tensorboard-{cfg.train.name}-")
 
 
 def _choose_resume(run: str, requested: str | None) -> str | None:
@@ -81,7 +82,7 @@ def train_worker(payload: dict) -> None:
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     engine = build_engine(objective, cfg)
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
-    loader = ShardLoader(storage.join(cfg.data.url, objective.stream), rank, world, cfg.micro_batch,
+    loader = ShardLoader(storage.join(cfg.data.url, objective.stream(cfg)), rank, world, cfg.micro_batch,
                          objective.collate, cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
                          cfg.data.verify_checksums)
     # From here on each rank draws its own dropout masks.
@@ -97,7 +98,8 @@ def train_worker(payload: dict) -> None:
         if rank == 0:
             print(f"[clsys] resumed from {resume} at step {step}", flush=True)
 
-    tb = TensorBoard(local_tensorboard_dir(cfg) if rank == 0 else None)
+    tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
+    tb = TensorBoard(tb_dir)
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
@@ -114,7 +116,7 @@ def train_worker(payload: dict) -> None:
         if rank == 0:
             tb.flush()
             if storage.is_s3(run):
-                storage.upload_dir(local_tensorboard_dir(cfg), storage.join(run, "tensorboard"))
+                storage.upload_dir(tb_dir, storage.join(run, "tensorboard"))
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
 
     def evaluate(at_step: int) -> None:
@@ -164,3 +166,5 @@ def train_worker(payload: dict) -> None:
         if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps:
             save_checkpoint()
     tb.close()
+    if tb_dir is not None and storage.is_s3(run):
+        shutil.rmtree(tb_dir, ignore_errors=True)  # its events were copied at the last checkpoint

@@ -23,12 +23,16 @@ class LossOutput:
 
 class Objective(nn.Module):
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
-    stream: ClassVar[str] = "sentences"  # shard stream under data.url that this objective reads
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+
+    @classmethod
+    def stream(cls, cfg: Config) -> str:
+        """The shard stream under ``data.url`` this objective reads (``sentences``, ``documents``, …)."""
+        raise NotImplementedError
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""

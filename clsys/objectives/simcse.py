@@ -41,7 +41,10 @@ class MLPPooler(nn.Module):
 
 class SimCSE(Objective):
     config_class = SimCSEConfig
-    stream = "sentences"
+
+    @classmethod
+    def stream(cls, cfg: Config) -> str:
+        return "sentences"
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
