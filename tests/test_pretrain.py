@@ -85,10 +85,10 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
                                cls, rtol=1e-4, atol=1e-4)
 
 
-def test_zero3_local_with_grad_accumulation_and_export(local_shards, tmp_path):
+def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_path):
     # A relative run_root is relative to the driver's folder (Ray workers run elsewhere).
     proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs",
-               "train.name=z3", "train.zero_stage=3", "train.grad_accum=2", "train.steps=3",
+               "train.name=z3", "train.zero_stage=3", "train.precision=bf16", "train.grad_accum=2", "train.steps=3",
                "train.ckpt_every=3", "eval.every=3", cwd=tmp_path)
     assert proc.returncode == 0
     exported = tmp_path / "runs" / "z3" / "export"
@@ -99,6 +99,8 @@ def test_zero3_local_with_grad_accumulation_and_export(local_shards, tmp_path):
     trained, base = AutoModel.from_pretrained(exported), load_encoder("all-MiniLM-L6-v2")
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), base.state_dict().values())]
     assert max(diffs) > 0, "export of a ZeRO-3 checkpoint returned the base weights"
+    # bf16 training keeps fp32 master weights; the export is consolidated from those.
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
     assert all(torch.isfinite(p).all() for p in trained.parameters())
     assert (tmp_path / "runs" / "z3" / "tensorboard").is_dir()
 
