@@ -94,6 +94,7 @@ class EvalConfig:
     batch_size: int = 64
     sts_test: str = ""  # after training: compare the base model and the exported one on this set
     test_poolings: str = "cls,mean"  # comma list of poolings for that comparison
+    heatmap_text: str = ""  # when set: a token-similarity heatmap of this sentence in TensorBoard at each evaluation
 
 
 @dataclass

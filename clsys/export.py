@@ -37,29 +37,75 @@ def _max_seq_length(model_name: str, config) -> int:
     return min(512, getattr(config, "max_position_embeddings", 512))
 
 
-def _write_sentence_transformers(folder: str, pooling: str, dim: int, max_seq_length: int) -> None:
+def _write_sentence_transformers(folder: str, pooling: str, model, max_seq_length: int) -> None:
+    """modules.json and the modules after the Transformer: Pooling, plus Dense(tanh) for ``cls_mlp``.
+
+    ``cls_mlp`` is the model's pooler (dense + tanh on [CLS]) written as sentence-transformers'
+    ``Dense`` module (its ``config.json`` + ``model.safetensors`` with ``linear.weight``/``linear.bias``),
+    so ``SentenceTransformer(folder)`` gives the HF ``pooler_output``.
+    """
+    from safetensors.torch import save_file
+
+    dim = model.config.hidden_size
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     pooling_config = {
         "word_embedding_dimension": dim,
-        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_cls_token": pooling in ("cls", "cls_mlp"),
         "pooling_mode_mean_tokens": pooling == "mean",
         "pooling_mode_max_tokens": pooling == "max",
         "pooling_mode_mean_sqrt_len_tokens": False,
     }
+    files = {"1_Pooling/config.json": pooling_config,
+             "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False}}
+    if pooling == "cls_mlp":
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        dense = model.pooler.dense
+        files["2_Dense/config.json"] = {
+            "in_features": dense.in_features, "out_features": dense.out_features, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh",
+            "module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"}
+        os.makedirs(os.path.join(folder, "2_Dense"), exist_ok=True)
+        save_file({"linear.weight": dense.weight.detach().contiguous(), "linear.bias": dense.bias.detach().contiguous()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    files["modules.json"] = modules
     os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
-    for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling_config),
-                      ("sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})]:
+    for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f, indent=2)
+
+
+def encoder_weights(state: dict, meta: dict) -> dict:
+    """The exported encoder's state dict, from the objective's: the encoder's own weights under
+    ``meta["encoder_prefix"]``, plus the heads ``meta["export_head_map"]`` maps into it (e.g. an MLP
+    that becomes the pooler)."""
+    prefix = meta["encoder_prefix"] + "."
+    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    weights.update({name: state[key] for name, key in meta.get("export_head_map", {}).items()})
+    return weights
+
+
+def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
+                source: str) -> None:
+    """Save the encoder (with the pooler when ``pooling`` is ``cls_mlp``), tokenizer and sentence-transformers files."""
+    from transformers import AutoTokenizer
+
+    model = encoder_from_config(config, with_pooler=pooling == "cls_mlp")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{source}: checkpoint does not match the encoder (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    _write_sentence_transformers(folder, pooling, model, max_seq_length)
 
 
 def export(checkpoint: str, out: str) -> str:
     """Write the encoder of ``checkpoint`` to ``out`` (local folder or URL); returns the step folder used."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     url = _checkpoint_url(checkpoint)
     meta = storage.read_json(storage.join(url, "clsys_state.json"))
@@ -68,19 +114,11 @@ def export(checkpoint: str, out: str) -> str:
         storage.download_dir(url, os.path.join(work, "ckpt"))
         ckpt = os.path.join(work, "ckpt")
         state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="ds")
-        prefix = meta["encoder_prefix"] + "."
-        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        config = AutoConfig.from_pretrained(os.path.join(ckpt, "hf"))
-        model = encoder_from_config(config)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"{url}: checkpoint does not match the encoder (missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]})")
+        hf_dir = os.path.join(ckpt, "hf")
+        config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
-        model.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(os.path.join(ckpt, "hf")).save_pretrained(folder)
-        _write_sentence_transformers(folder, meta["export_pooling"], config.hidden_size,
-                                     _max_seq_length(meta["config"]["model"]["name"], config))
+        write_model(folder, encoder_weights(state, meta), config, hf_dir, meta["export_pooling"],
+                    _max_seq_length(meta["config"]["model"]["name"], config), url)
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
             json.dump({"checkpoint": url, "step": meta["step"], "objective": meta["objective"],
                        "pooling": meta["export_pooling"]}, f, indent=2)

@@ -50,6 +50,16 @@ class TensorBoard:
         for name, value in values.items():
             self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
 
+    def image(self, tag: str, png: bytes, step: int) -> None:
+        if self.writer is None:
+            return
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        self.writer.add_image(tag, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), step, dataformats="HWC")
+
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_prep import __version__, wiki
+from data_prep import __version__, triplets, wiki
 
 COMMANDS = {
     "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),
+    "triplets": (triplets, "NLI data (CSV/TSV/JSONL) -> (anchor, positive, negative) shards for supervised SimCSE"),
 }
 
 

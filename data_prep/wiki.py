@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from clsys import storage
 from clsys.storage import StorageError
-from data_prep import __version__
+from data_prep import __version__, cli
 from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
 from data_prep.shards import ShardWriter, previous_shas
 from data_prep.wikitext import CATEGORY_PREFIXES, MEDIA_PREFIXES, WikitextCleaner
@@ -369,26 +369,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="DUMP",
                    help="MediaWiki XML dump(s): .xml or .bz2 (multistream ok)")
     p.add_argument("--out", required=True, metavar="URL", help="output folder: s3://bucket/prefix, file:///abs or a path")
-    p.add_argument("--shard-size-mb", type=_positive(float), default=64.0, metavar="N",
+    p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
-    p.add_argument("--workers", type=_positive(int), default=1, metavar="N",
+    p.add_argument("--workers", type=cli.positive(int), default=1, metavar="N",
                    help="processes parsing wikitext; output is identical for any N (default: 1)")
-    p.add_argument("--passage-words", type=_positive(int), default=200, metavar="N",
+    p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
                    help="word budget of a passage in the documents stream (default: 200)")
     p.add_argument("--allow-truncated", action="store_true",
                    help="exit 0 (with a warning) when an input is truncated or corrupt; its good pages are kept")
-
-
-def _positive(typ):
-    def parse(value: str):
-        try:
-            v = typ(value)
-        except ValueError:
-            v = 0
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {typ.__name__}, got {value!r}")
-        return v
-    return parse
 
 
 def main(args: argparse.Namespace) -> int:
@@ -401,7 +389,7 @@ def main(args: argparse.Namespace) -> int:
             try:
                 reader.read_siteinfo()
             except DumpError as err:
-                return _fail(f"{reader.path}: {err}")
+                return cli.fail("wiki", f"{reader.path}: {err}")
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
             job = WikiJob(args, tmp)
             job.run(readers)
@@ -412,21 +400,16 @@ def main(args: argparse.Namespace) -> int:
                     print(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte {s.byte_offset}); "
                           f"kept the {s.pages_read} complete pages before it", file=sys.stderr)
             if job.streams["sentences"].samples == 0:
-                return _fail(f"{', '.join(args.input)}: no article text found (articles: "
+                return cli.fail("wiki", f"{', '.join(args.input)}: no article text found (articles: "
                              f"{sum(s.articles for s in job.sources)}); nothing written", 3 if truncated else 2)
             for writer in job.streams.values():
                 writer.close()
             # Manifests last, once every shard of both streams is uploaded.
             urls = {name: writer.write_manifest(job.manifest_extra()) for name, writer in job.streams.items()}
     except StorageError as err:
-        return _fail(str(err))
+        return cli.fail("wiki", str(err))
     _summary(job, urls, time.time() - start)
     return 3 if truncated and not args.allow_truncated else 0
-
-
-def _fail(message: str, code: int = 2) -> int:
-    print(f"data_prep wiki: error: {message}", file=sys.stderr)
-    return code
 
 
 def _summary(job: WikiJob, urls: dict[str, str], seconds: float) -> None:

@@ -24,7 +24,7 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=1", "unknown config key 'train.stepz'"),
     ("trainn.steps=1", "unknown config key 'trainn.steps'"),
-    ("objective.hard_negative_weight=1", "unknown config key 'objective.hard_negative_weight'"),
+    ("objective.temprature=1", "unknown config key 'objective.temprature'"),
     ("objective.name=nope", "objective.name: unknown objective 'nope'"),
     ("train.steps=1.5", "train.steps: expected an integer"),
     ("train.steps=true", "train.steps: expected an integer"),

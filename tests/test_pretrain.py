@@ -29,9 +29,13 @@ def run(*args: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def local_shards(tmp_path_factory):
+    """sentences/ and documents/ from the bundled dump, triplets/ from the NLI excerpt in tests/data."""
     out = tmp_path_factory.mktemp("shards")
     assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", str(out),
                "--shard-size-mb", "2").returncode == 0
+    nli = REPO / "tests" / "data" / "nli" / "snli_dev.head150.csv"
+    assert run("-m", "data_prep", "triplets", "--input", str(nli), "--out", str(out),
+               "--shard-size-mb", "0.03").returncode == 0
     return str(out)
 
 
@@ -132,3 +136,21 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "credentials" in proc.stderr and "wrong-secret-123" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("recipe", ["simcse_sup", "tacl", "sg_opt"])
+def test_recipe_trains_end_to_end_on_two_workers(recipe, local_shards, tmp_path):
+    """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store."""
+    proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, "train.batch_size=8", "data.max_length=64",
+               f"data.url={local_shards}", f"train.run_root={tmp_path}", f"train.name={recipe}", "train.steps=2",
+               "train.ckpt_every=2",
+               "eval.every=2", "eval.max_pairs=16", "eval.heatmap_text=The cat sat on the mat.")
+    assert proc.returncode == 0
+    assert [step for step, _ in complete_checkpoints(f"file://{tmp_path}/{recipe}")] == [2]
+    assert (tmp_path / recipe / "export" / "modules.json").is_file()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / recipe / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("analysis/token_similarity")] == [0, 2]

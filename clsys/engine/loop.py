@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from clsys import storage
+from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
 from clsys.data.streaming import ShardLoader
 from clsys.engine import checkpoint
@@ -103,7 +104,7 @@ def train_worker(payload: dict) -> None:
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
-            "encoder_prefix": encoder_prefix,
+            "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
             "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
 
     def hf_files(folder: str) -> None:
@@ -120,12 +121,19 @@ def train_worker(payload: dict) -> None:
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
 
     def evaluate(at_step: int) -> None:
-        result = _evaluate_dev(objective, dev_set, cfg)
-        tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
-        if rank == 0:
-            print(f"[clsys] step {at_step}: {dev_set.name} Spearman {result['spearman']:.2f}", flush=True)
+        # Every rank runs the same forwards (ZeRO-3 gathers weights collectively); rank 0 logs.
+        if dev_set is not None:
+            result = _evaluate_dev(objective, dev_set, cfg)
+            tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
+            if rank == 0:
+                print(f"[clsys] step {at_step}: {dev_set.name} Spearman {result['spearman']:.2f}", flush=True)
+        if cfg.eval.heatmap_text:
+            tokens, similarity = token_similarity(objective.encoder(), tokenizer, cfg.eval.heatmap_text)
+            if rank == 0:
+                tb.image("analysis/token_similarity", render([Panel(f"step {at_step}", tokens, similarity)]), at_step)
 
-    if dev_set is not None and step == 0:
+    evaluating = dev_set is not None or bool(cfg.eval.heatmap_text)
+    if evaluating and step == 0:
         evaluate(0)
 
     batches = iter(loader)
@@ -160,7 +168,7 @@ def train_worker(payload: dict) -> None:
                       f"{rates['samples_per_s']:.1f} samples/s", flush=True)
             ray.train.report({"step": step, **values})
 
-        if dev_set is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+        if evaluating and (step % cfg.eval.every == 0 or step == cfg.train.steps):
             evaluate(step)
 
         if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps:

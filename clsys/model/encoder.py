@@ -45,9 +45,20 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, kind: str) -> torch
     raise ValueError(f"unknown pooling '{kind}' (choose from {', '.join(POOLINGS)})")
 
 
+# Architectures whose HF model carries a pooler (dense + tanh on the first token).
+POOLER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+
+
+def model_overrides(model_cfg) -> dict:
+    """Hugging Face config overrides from our ``ModelConfig`` (dropout sets hidden and attention dropout)."""
+    if model_cfg.dropout is None:
+        return {}
+    return {"hidden_dropout_prob": model_cfg.dropout, "attention_probs_dropout_prob": model_cfg.dropout}
+
+
 def _without_pooler(config) -> dict:
     # BERT-like models carry an NSP pooler we never use: objectives pool and project themselves.
-    return {"add_pooling_layer": False} if config.model_type in ("bert", "roberta", "xlm-roberta") else {}
+    return {"add_pooling_layer": False} if config.model_type in POOLER_MODEL_TYPES else {}
 
 
 def load_encoder(name: str, **overrides) -> nn.Module:
@@ -64,11 +75,14 @@ def load_encoder(name: str, **overrides) -> nn.Module:
     return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
 
 
-def encoder_from_config(config) -> nn.Module:
-    """An untrained encoder of the given architecture (export fills in the trained weights)."""
+def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
+    """An untrained encoder of the given architecture (export fills in the trained weights).
+
+    ``with_pooler`` keeps the architecture's pooler layer, for objectives that export a head into it.
+    """
     from transformers import AutoModel
 
-    return AutoModel.from_config(config, **_without_pooler(config))
+    return AutoModel.from_config(config, **({} if with_pooler else _without_pooler(config)))
 
 
 def load_tokenizer(name: str):

@@ -46,8 +46,19 @@ class Objective(nn.Module):
         raise NotImplementedError
 
     def export_pooling(self) -> str:
-        """How sentence embeddings are pooled from ``encoder()`` at inference."""
+        """How sentence embeddings are pooled from ``encoder()`` at inference.
+
+        ``cls``/``mean``/``max``, or ``cls_mlp``: ``[CLS]`` through the encoder's pooler (dense + tanh),
+        whose weights ``export_head_map`` supplies.
+        """
         raise NotImplementedError
+
+    def export_head_map(self) -> dict[str, str]:
+        """Encoder parameter names (as in the exported HF model) → this objective's state-dict keys.
+
+        For heads the objective trains outside ``encoder()`` but that ship with the exported model.
+        """
+        return {}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -1,9 +1,15 @@
-"""Unsupervised SimCSE (Gao et al., 2021), as specified in shared/spec/OBJECTIVES.md §2.1-2.4.
+"""SimCSE (Gao et al., 2021), unsupervised and supervised, as specified in shared/spec/OBJECTIVES.md §2.1-2.4.
 
-Each sentence is fed twice in one forward pass, so the two copies get independent dropout
-masks; the copies are the positive pair. Training pools ``[CLS]`` through a fresh MLP
+Unsupervised: each sentence is fed twice in one forward pass, so the two copies get independent
+dropout masks; the copies are the positive pair. Training pools ``[CLS]`` through a fresh MLP
 (Linear + tanh); inference uses the raw ``[CLS]`` vector (``export_pooling: cls``).
-Loss: asymmetric InfoNCE (view 1 anchors, view 2 candidates) with τ = 0.05 over the global batch.
+
+Supervised (``supervised: true``, §2.3): NLI triplets (premise, entailment, contradiction) from the
+``triplets`` stream are encoded as 3B rows in one forward pass; every contradiction is a hard
+negative for every anchor, the own one weighted by e^α (α = ``hard_negative_weight``). The MLP is
+kept at inference (``export_pooling: cls_mlp``; export turns it into the HF pooler).
+
+Loss: asymmetric InfoNCE (anchors against the candidates of the global batch) with τ = 0.05.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
-from clsys.model.encoder import POOLINGS, load_encoder, pool
+from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, load_encoder, model_overrides, pool
 from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
@@ -25,6 +31,8 @@ class SimCSEConfig(ObjectiveConfig):
     pooler: str = "cls_mlp"  # training pooling: cls_mlp (fresh Linear+tanh on CLS) or cls/mean/max
     export_pooling: str = "cls"  # inference pooling of the exported encoder (SimCSE: raw CLS)
     gather: bool = True  # negatives from the global batch (all ranks) rather than the local one
+    supervised: bool = False  # NLI triplets with hard negatives (§2.3) instead of dropout views of sentences
+    hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (§2.3; supervised only)
 
 
 class MLPPooler(nn.Module):
@@ -44,26 +52,38 @@ class SimCSE(Objective):
 
     @classmethod
     def stream(cls, cfg: Config) -> str:
-        return "sentences"
+        return "triplets" if cfg.objective.supervised else "sentences"
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: SimCSEConfig = cfg.objective
         if oc.pooler not in ("cls_mlp", *POOLINGS):
             raise ValueError(f"objective.pooler: unknown pooling '{oc.pooler}'")
-        if oc.export_pooling not in POOLINGS:
+        if oc.export_pooling not in ("cls_mlp", *POOLINGS):
             raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
-        overrides = {}
-        if cfg.model.dropout is not None:
-            overrides = {"hidden_dropout_prob": cfg.model.dropout, "attention_probs_dropout_prob": cfg.model.dropout}
-        self.model = load_encoder(cfg.model.name, **overrides)
+        if oc.export_pooling == "cls_mlp" and not (oc.supervised and oc.pooler == "cls_mlp"):
+            # §2.9.3: unsupervised SimCSE drops the MLP at inference on purpose; supervised keeps it.
+            raise ValueError("objective.export_pooling: cls_mlp keeps the training MLP at inference, which "
+                             "needs objective.supervised: true and objective.pooler: cls_mlp")
+        if oc.hard_negative_weight and not oc.supervised:
+            raise ValueError("objective.hard_negative_weight: only supervised SimCSE has hard negatives "
+                             "(set objective.supervised: true)")
+        self.model = load_encoder(cfg.model.name, **model_overrides(cfg.model))
+        if oc.export_pooling == "cls_mlp" and self.model.config.model_type not in POOLER_MODEL_TYPES:
+            raise ValueError(f"objective.export_pooling: cls_mlp is exported as the HF pooler, which "
+                             f"{self.model.config.model_type} models lack (supported: {', '.join(POOLER_MODEL_TYPES)})")
         self.mlp = MLPPooler(self.model.config.hidden_size) if oc.pooler == "cls_mlp" else None
         self.temperature, self.pooler, self.gather = oc.temperature, oc.pooler, oc.gather
+        self.supervised, self.hard_negative_weight = oc.supervised, oc.hard_negative_weight
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        texts = [s["txt"] for s in samples]
-        # Duplicate every sentence: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
-        return dict(self.tokenizer(texts + texts, padding=True, truncation=True,
+        if self.supervised:
+            # Rows [0, B) anchors, [B, 2B) their entailments, [2B, 3B) their contradictions.
+            texts = [s["json"][part] for part in ("anchor", "positive", "negative") for s in samples]
+        else:
+            # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
+            texts = [s["txt"] for s in samples] * 2
+        return dict(self.tokenizer(texts, padding=True, truncation=True,
                                    max_length=self.cfg.data.max_length, return_tensors="pt"))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
@@ -72,8 +92,12 @@ class SimCSE(Objective):
             z = self.mlp(hidden[:, 0])
         else:
             z = pool(hidden, batch["attention_mask"], self.pooler)
-        z1, z2 = z.chunk(2)
-        loss = info_nce(z1, z2, self.temperature, gather=self.gather)
+        if self.supervised:
+            z1, z2, z3 = z.chunk(3)
+        else:
+            (z1, z2), z3 = z.chunk(2), None
+        loss = info_nce(z1, z2, self.temperature, hard_negatives=z3,
+                        hard_negative_weight=self.hard_negative_weight, gather=self.gather)
         return LossOutput(loss, {"loss": loss.detach(), **alignment_uniformity(z1.detach(), z2.detach())})
 
     def encoder(self) -> nn.Module:
@@ -81,3 +105,9 @@ class SimCSE(Objective):
 
     def export_pooling(self) -> str:
         return self.cfg.objective.export_pooling
+
+    def export_head_map(self) -> dict[str, str]:
+        # cls_mlp: the MLP is exactly BERT's pooler (dense + tanh on [CLS]), so it is exported as one.
+        if self.export_pooling() != "cls_mlp":
+            return {}
+        return {f"pooler.dense.{p}": f"mlp.dense.{p}" for p in ("weight", "bias")}

@@ -1,0 +1,205 @@
+"""Self-Guided Contrastive Learning (SG / SG-OPT; Kim, Yoo & Lee, 2021), OBJECTIVES.md §5.
+
+Two copies of the encoder see the same sentences (§5.1):
+  BERT_T (tuned)  c_i = last-layer ``[CLS]``; its embedding layer ("layer 0") is frozen;
+  BERT_F (fixed)  a frozen copy taken at the start; h_{i,k} = its layer-k hidden states
+                  (k = 0 is the embedding output) max- or mean-pooled over non-pad tokens.
+Both go through one shared projection head f; similarities are cos(f(u), f(v)) / τ with τ = 0.01.
+BERT_T's ``[CLS]`` is the exported sentence embedding (§5.4); f is discarded.
+
+Loss variants (``objective.loss``, §5.2), all plus λ·L_reg (squared L2 distance BERT_T ↔ BERT_F):
+  sg      NT-Xent over the 2b views {c_i} ∪ {h_i}, h_i from one uniformly sampled layer per sentence;
+          every view is an anchor, its partner is the positive, all other 2b−2 views are negatives.
+  opt1    only c_i are anchors; negatives {c_j, h_j}_{j≠i}.
+  opt2    only c_i are anchors; negatives {h_j}_{j≠i}.
+  sg_opt  every layer view h_{i,k} is a positive of c_i, each with its own term whose denominator
+          holds that positive and h_{j,m} for all j ≠ i and all layers m — not the anchor's other
+          positives h_{i,m≠k}, not any c_j (§5.2, §5.5.4).
+The original code's SG (2b logits, b labels, /b) and OPT2 (one h_j negative dropped) are buggy
+(§5.5.6); this file implements the formulas, and the tests check them against loop references.
+
+Cross-rank negatives (``gather``, off by default: the original trains b = 16 on one GPU, §5.5.3):
+every candidate view (h, and c for sg/opt1) is all-gathered with ``gather_with_grad``; anchors stay
+local and each rank averages over its own anchors, so W ranks × B sentences give exactly the
+gradient of one process × W·B sentences (contrastive.py). Off, each rank contrasts its micro-batch
+alone: the per-rank negatives shrink to B−1 sentences and the gradient is the average of W
+independent B-sentence losses.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clsys.config import Config, ObjectiveConfig
+from clsys.model.encoder import load_encoder, model_overrides, pool
+from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
+
+
+@dataclass
+class SelfGuidedConfig(ObjectiveConfig):
+    loss: str = "sg_opt"  # sg | opt1 | opt2 | sg_opt (§5.2)
+    temperature: float = 0.01  # τ (§5.3)
+    layer_pooling: str = "max"  # BERT_F layers over non-pad tokens: max (paper) or mean (code default), §5.5.1
+    projection_dim: int = 4096  # width of the shared head f (§5.1)
+    reg_weight: float = 0.1  # λ of the L2 regulariser (§5.2)
+    freeze_embeddings: bool = True  # BERT_T's embedding layer stays fixed (`--freeze`, §5.1)
+    frozen_dropout: bool = False  # BERT_F in train mode (dropout on), as the original code runs it (§5.5.2, §6.2)
+    gather: bool = False  # candidates from all ranks (see the module docstring)
+
+
+LOSSES = ("sg", "opt1", "opt2", "sg_opt")
+LAYER_POOLINGS = ("max", "mean")
+
+
+class ProjectionHead(nn.Module):
+    """f: Linear(d→P) → GELU → Linear(P→P) → GELU, weights ~ N(0, 0.02), biases 0 (§5.1)."""
+
+    def __init__(self, dim: int, proj_dim: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, proj_dim), nn.GELU(), nn.Linear(proj_dim, proj_dim), nn.GELU())
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=0.02)
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def pool_layers(hidden_states: tuple[torch.Tensor, ...], attention_mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Every layer's hidden states [b, seq, d] pooled over non-pad tokens: [b, layers, d]."""
+    return torch.stack([pool(h, attention_mask, kind) for h in hidden_states], dim=1)
+
+
+def _gather(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
+    return gather_with_grad(x) if gather else (x, 0)
+
+
+def _excluding(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the entries at (rows[i], cols[i]) set to −inf: removed from the softmax."""
+    return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def sg_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+    """SG: NT-Xent over the 2b anchors {c_i} ∪ {h_i}, each against all views but itself, mean over 2b."""
+    b = c.shape[0]
+    cands_c, offset = _gather(c, gather)
+    cands_h, _ = _gather(h, gather)
+    n = cands_c.shape[0]
+    local = torch.arange(b, device=c.device)
+    rows = torch.arange(2 * b, device=c.device)
+    # Candidate columns: [c_0..c_{n-1}, h_0..h_{n-1}]; anchor c_i sits at column i+offset, h_i at n+i+offset.
+    own = torch.cat([local + offset, local + n + offset])
+    partner = torch.cat([local + n + offset, local + offset])
+    logits = cosine_logits(torch.cat([c, h]), torch.cat([cands_c, cands_h]), temperature)
+    return F.cross_entropy(_excluding(logits, rows, own), partner)
+
+
+def opt1_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+    """OPT1: anchors c_i only; positive h_i; negatives c_j and h_j, j ≠ i."""
+    cands_c, offset = _gather(c, gather)
+    cands_h, _ = _gather(h, gather)
+    local = torch.arange(c.shape[0], device=c.device)
+    logits = cosine_logits(c, torch.cat([cands_c, cands_h]), temperature)
+    return F.cross_entropy(_excluding(logits, local, local + offset), local + cands_c.shape[0] + offset)
+
+
+def opt2_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+    """OPT2: anchors c_i only; positive h_i; negatives h_j, j ≠ i (plain InfoNCE)."""
+    return info_nce(c, h, temperature, gather=gather)
+
+
+def sg_opt_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+    """SG-OPT (§5.2): c [b, P] against every layer view h [b, V, P]; mean over the b·V (anchor, layer) terms.
+
+    ℓ_{i,k} = −log φ(c_i, h_{i,k}) / (φ(c_i, h_{i,k}) + Σ_m Σ_{j≠i} φ(c_i, h_{j,m})).
+    """
+    b, views, dim = h.shape
+    cands, row_offset = _gather(h.reshape(b * views, dim), gather)
+    logits = cosine_logits(c, cands, temperature).view(b, -1, views)  # [anchor i, sentence j, layer m]
+    local = torch.arange(b, device=c.device)
+    own = local + row_offset // views
+    positives = logits[local, own]  # [b, V]
+    # log Σ_{j≠i} Σ_m φ(c_i, h_{j,m}): the anchor's own sentence (all its layers) leaves the denominator.
+    negatives = _excluding(logits, local, own).flatten(1).logsumexp(dim=1, keepdim=True)
+    return (torch.logaddexp(positives, negatives) - positives).mean()
+
+
+LOSS_FNS: dict[str, Callable[..., torch.Tensor]] = {"sg": sg_loss, "opt1": opt1_loss, "opt2": opt2_loss,
+                                                   "sg_opt": sg_opt_loss}
+
+
+class SelfGuided(Objective):
+    config_class = SelfGuidedConfig
+
+    @classmethod
+    def stream(cls, cfg: Config) -> str:
+        return "sentences"
+
+    def __init__(self, cfg: Config, tokenizer):
+        super().__init__(cfg, tokenizer)
+        oc: SelfGuidedConfig = cfg.objective
+        if oc.loss not in LOSSES:
+            raise ValueError(f"objective.loss: unknown loss '{oc.loss}' (choose from {', '.join(LOSSES)})")
+        if oc.layer_pooling not in LAYER_POOLINGS:
+            raise ValueError(f"objective.layer_pooling: expected max or mean, got '{oc.layer_pooling}'")
+        if cfg.train.zero_stage == 3:
+            # L_reg reads whole parameter tensors outside their modules' forward; ZeRO-3 partitions them.
+            raise ValueError("objective self_guided: train.zero_stage 3 is not supported (use 0-2)")
+        self.model = load_encoder(cfg.model.name, **model_overrides(cfg.model))  # BERT_T
+        self.frozen = copy.deepcopy(self.model)  # BERT_F: the starting point, never updated
+        self.frozen.requires_grad_(False)
+        if oc.freeze_embeddings:
+            self.model.embeddings.requires_grad_(False)
+        self.head = ProjectionHead(self.model.config.hidden_size, oc.projection_dim)
+        self.oc = oc
+        self.train(self.training)  # from_pretrained left both copies in eval mode: apply the mode rule now
+
+    def train(self, mode: bool = True) -> SelfGuided:
+        # The loop calls train() on everything; BERT_F keeps dropout off unless asked (§5.5.2, §6.2).
+        super().train(mode)
+        self.frozen.train(mode and self.oc.frozen_dropout)
+        return self
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        # One copy of each sentence: BERT_T and BERT_F read the same tokens.
+        return dict(self.tokenizer([s["txt"] for s in samples], padding=True, truncation=True,
+                                   max_length=self.cfg.data.max_length, return_tensors="pt"))
+
+    def regulariser(self) -> torch.Tensor:
+        """L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.
+
+        Frozen tensors of BERT_T equal BERT_F's bitwise and add exactly 0, so only trainable ones are summed.
+        BERT_T has no NSP pooler here (load_encoder drops it); it is unused by [CLS] pooling anyway.
+        """
+        frozen = dict(self.frozen.named_parameters())
+        terms = [(p.float() - frozen[name].float()).pow(2).sum()
+                 for name, p in self.model.named_parameters() if p.requires_grad]
+        return torch.stack(terms).sum()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        c = self.head(self.model(**batch).last_hidden_state[:, 0])
+        with torch.no_grad():
+            hidden_states = self.frozen(**batch, output_hidden_states=True).hidden_states
+            views = pool_layers(hidden_states, batch["attention_mask"], self.oc.layer_pooling)  # [b, L+1, d]
+        if self.oc.loss != "sg_opt":
+            # σ: one layer per sentence, uniform over 0..L (§5.1); only the sampled views are projected.
+            layers = torch.randint(0, views.shape[1], (views.shape[0],), device=views.device)
+            views = views[torch.arange(views.shape[0], device=views.device), layers]
+        h = self.head(views)
+        contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, gather=self.oc.gather)
+        reg = self.regulariser()
+        loss = contrastive + self.oc.reg_weight * reg
+        return LossOutput(loss, {"loss": loss.detach(), "contrastive": contrastive.detach(), "reg": reg.detach()})
+
+    def encoder(self) -> nn.Module:
+        return self.model
+
+    def export_pooling(self) -> str:
+        return "cls"  # SG-BERT's inference embedding is BERT_T's last-layer [CLS] (§5.4)

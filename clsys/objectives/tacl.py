@@ -1,0 +1,123 @@
+"""TaCL: token-aware contrastive continual pretraining (Su et al., 2022), shared/spec/OBJECTIVES.md §1.
+
+A frozen teacher (a copy of the starting encoder) reads the clean sequence; the trained student reads
+the masked one. At every masked position i the student's last-layer vector must pick out the
+teacher's vector at the same position among the teacher vectors of all positions of the same
+sequence (cosine / τ, τ = 0.01). Added to the student's MLM loss (both with weight 1).
+
+Departures from the original code, each a deliberate fix (§1.9):
+- the teacher runs under no-grad in eval mode (the original ran it in train mode, with dropout,
+  and kept its activations); ``teacher_dropout: true`` restores train-mode dropout;
+- batches are padded dynamically and pad positions are left out of the softmax; the original padded
+  to a fixed 256 and kept the pads as negatives: ``pad_negatives: true`` pads to ``data.max_length``
+  and keeps them, which is the faithful denominator;
+- NSP is not part of this objective yet (the original adds it with weight 1; §1.9 gotcha 1).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clsys.config import Config, ObjectiveConfig
+from clsys.data.masking import Masker
+from clsys.model.encoder import POOLINGS, model_overrides, resolve_model_path
+from clsys.objectives.base import LossOutput, Objective
+
+
+@dataclass
+class TaCLConfig(ObjectiveConfig):
+    temperature: float = 0.01
+    mask_probability: float = 0.15
+    mask_cap: int = 64  # at most this many masked positions per sequence (0.25 · 256 in the original)
+    mlm_weight: float = 1.0
+    contrastive_weight: float = 1.0
+    pad_negatives: bool = False  # fixed-length padding with pads in the denominator (faithful)
+    teacher_dropout: bool = False  # run the frozen teacher in train mode (faithful) instead of eval
+    export_pooling: str = "cls"
+
+
+def token_contrastive_loss(student: torch.Tensor, teacher: torch.Tensor, chosen: torch.Tensor,
+                           candidates: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over chosen (b, i) of −log softmax_j(cos(s_bi, t_bj)/τ)[i], j over candidates[b].
+
+    ``student``/``teacher``: [B, L, d]; ``chosen``: [B, L] anchors; ``candidates``: [B, L] columns
+    allowed in each row's softmax. Returns (loss, accuracy of picking position i).
+    """
+    sims = F.normalize(student, dim=-1) @ F.normalize(teacher, dim=-1).transpose(1, 2) / temperature
+    rows, positions = chosen.nonzero(as_tuple=True)
+    logits = sims[rows, positions].masked_fill(~candidates[rows], float("-inf"))
+    loss = F.cross_entropy(logits, positions)
+    accuracy = (logits.argmax(-1) == positions).float().mean()
+    return loss, accuracy
+
+
+def _mlm_head(model: nn.Module) -> nn.Module:
+    # The prediction head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
+    for name in ("cls", "lm_head"):
+        if hasattr(model, name):
+            return getattr(model, name)
+    raise ValueError(f"{type(model).__name__} has no masked-LM head this objective knows")
+
+
+class TaCL(Objective):
+    config_class = TaCLConfig
+
+    @classmethod
+    def stream(cls, cfg: Config) -> str:
+        return "documents"
+
+    def __init__(self, cfg: Config, tokenizer):
+        super().__init__(cfg, tokenizer)
+        from transformers import AutoModelForMaskedLM
+
+        oc: TaCLConfig = cfg.objective
+        if oc.export_pooling not in POOLINGS:
+            raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
+        # With a checkpoint that has no MLM head (e.g. a sentence-transformers model) the head is
+        # created fresh, its decoder tied to the word embeddings as in BERT.
+        self.student = AutoModelForMaskedLM.from_pretrained(resolve_model_path(cfg.model.name),
+                                                            **model_overrides(cfg.model))
+        self.teacher = copy.deepcopy(self.student.base_model)
+        self.teacher.requires_grad_(False)
+        self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, oc.mask_cap)
+        self.oc = oc
+
+    def train(self, mode: bool = True) -> "TaCL":
+        super().train(mode)
+        self.teacher.train(mode and self.oc.teacher_dropout)
+        return self
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        padding = "max_length" if self.oc.pad_negatives else True
+        batch = self.tokenizer([s["txt"] for s in samples], padding=padding, truncation=True,
+                               max_length=self.cfg.data.max_length, return_tensors="pt")
+        masked_ids, chosen = self.masker(batch["input_ids"], batch["attention_mask"])
+        return {**batch, "masked_input_ids": masked_ids, "chosen": chosen}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        clean, chosen = batch["input_ids"], batch["chosen"]
+        inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "masked_input_ids", "chosen")}
+        hidden = self.student.base_model(input_ids=batch["masked_input_ids"], **inputs).last_hidden_state
+        with torch.no_grad():
+            target = self.teacher(input_ids=clean, **inputs).last_hidden_state
+
+        # MLM on the chosen positions only: the head runs on M rows instead of B·L.
+        logits = _mlm_head(self.student)(hidden[chosen])
+        mlm = F.cross_entropy(logits.float(), clean[chosen])
+        candidates = torch.ones_like(chosen) if self.oc.pad_negatives else batch["attention_mask"].bool()
+        tcl, tcl_accuracy = token_contrastive_loss(hidden, target, chosen, candidates, self.oc.temperature)
+        loss = self.oc.mlm_weight * mlm + self.oc.contrastive_weight * tcl
+        metrics = {"loss": loss.detach(), "mlm_loss": mlm.detach(), "token_cl_loss": tcl.detach(),
+                   "token_cl_accuracy": tcl_accuracy, "mlm_accuracy": (logits.argmax(-1) == clean[chosen]).float().mean()}
+        return LossOutput(loss, metrics)
+
+    def encoder(self) -> nn.Module:
+        return self.student.base_model
+
+    def export_pooling(self) -> str:
+        return self.oc.export_pooling

@@ -1,0 +1,121 @@
+"""Supervised SimCSE (OBJECTIVES.md §2.3): the loss of a real forward against the naive float64 reference,
+gradients, config checks, and the export of the kept MLP as the HF pooler / sentence-transformers Dense."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clsys.config import Config
+from clsys.export import encoder_weights, write_model
+from clsys.model.encoder import load_tokenizer
+from clsys.objectives.simcse import SimCSE, SimCSEConfig
+from test_contrastive import naive_info_nce
+
+WORDS = "a man woman dog plays runs sleeps outside inside the is not nobody park ball cat".split()
+SAMPLES = [{"json": {"anchor": "a man plays outside", "positive": "a man plays", "negative": "nobody plays"}},
+           {"json": {"anchor": "the dog runs in the park", "positive": "a dog runs", "negative": "the dog sleeps"}},
+           {"json": {"anchor": "a woman is inside", "positive": "a woman is not outside", "negative": "a woman is outside"}}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 2-layer BertModel (vocab 100, hidden 32) and a word-level tokenizer, saved as an HF folder."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    vocab += [f"[unused{i}]" for i in range(100 - len(vocab))]
+    BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertModel(config).save_pretrained(folder)
+    return str(folder)
+
+
+def make_objective(model: str, **objective) -> SimCSE:
+    cfg = Config(objective=SimCSEConfig(**objective))
+    cfg.model.name = model
+    torch.manual_seed(1)
+    return SimCSE(cfg, load_tokenizer(model))
+
+
+def test_supervised_stream_and_batch(tiny_model):
+    objective = make_objective(tiny_model, supervised=True)
+    assert SimCSE.stream(objective.cfg) == "triplets"
+    assert SimCSE.stream(make_objective(tiny_model).cfg) == "sentences"
+    batch = objective.collate(SAMPLES)
+    assert batch["input_ids"].shape[0] == 3 * len(SAMPLES)  # anchors, positives, negatives in one forward
+    rows = objective.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    assert rows[0] == SAMPLES[0]["json"]["anchor"] and rows[4] == SAMPLES[1]["json"]["positive"]
+    assert rows[8] == SAMPLES[2]["json"]["negative"]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.8])
+def test_supervised_loss_matches_naive_reference_and_trains_everything(tiny_model, alpha):
+    objective = make_objective(tiny_model, supervised=True, hard_negative_weight=alpha, export_pooling="cls_mlp")
+    objective.eval()  # dropout off, so the reference below sees the same embeddings as the loss
+    batch = objective.collate(SAMPLES)
+    out = objective(batch)
+    with torch.no_grad():
+        z = objective.mlp(objective.model(**batch).last_hidden_state[:, 0]).double()
+    z1, z2, z3 = z.chunk(3)
+    assert out.loss.item() == pytest.approx(naive_info_nce(z1, z2, 0.05, z3, alpha), rel=1e-5)
+    assert set(out.metrics) == {"loss", "alignment", "uniformity"}
+    out.loss.backward()
+    for name in ("mlp.dense.weight", "model.embeddings.word_embeddings.weight", "model.encoder.layer.1.output.dense.weight"):
+        grad = objective.get_parameter(name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("objective,key", [
+    ({"export_pooling": "cls_mlp"}, "objective.export_pooling"),  # unsupervised keeps raw CLS (§2.9.3)
+    ({"supervised": True, "pooler": "cls", "export_pooling": "cls_mlp"}, "objective.export_pooling"),  # no MLP
+    ({"hard_negative_weight": 1.0}, "objective.hard_negative_weight"),  # no hard negatives without triplets
+    ({"supervised": True, "export_pooling": "cls_max"}, "objective.export_pooling"),
+])
+def test_invalid_combinations_name_the_key(tiny_model, objective, key):
+    with pytest.raises(ValueError, match=key):
+        make_objective(tiny_model, **objective)
+
+
+def test_export_cls_mlp_is_hf_pooler_and_sentence_transformers_dense(tiny_model, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    objective = make_objective(tiny_model, supervised=True, export_pooling="cls_mlp")
+    with torch.no_grad():  # a trained-looking MLP, not the fresh init
+        objective.mlp.dense.weight.normal_(0, 0.3)
+        objective.mlp.dense.bias.normal_(0, 0.3)
+    meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
+    folder = tmp_path / "export"
+    write_model(str(folder), encoder_weights(objective.state_dict(), meta), objective.model.config,
+                tiny_model, "cls_mlp", 32, "test")
+
+    sentences = ["a man plays outside", "the dog sleeps inside"]
+    objective.eval()
+    batch = objective.tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        cls = objective.model(**batch).last_hidden_state[:, 0]
+        want = torch.tanh(cls @ objective.mlp.dense.weight.T + objective.mlp.dense.bias)
+        hf = AutoModel.from_pretrained(folder).eval()(**batch).pooler_output
+    st = SentenceTransformer(str(folder), device="cpu").encode(sentences, convert_to_tensor=True)
+    torch.testing.assert_close(hf, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st, want, atol=1e-5, rtol=1e-5)
+    modules = json.loads((folder / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Dense"]
+    assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"]
+
+
+def test_export_unsupervised_keeps_raw_cls_without_pooler(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    objective = make_objective(tiny_model)
+    meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
+    assert meta["export_head_map"] == {}
+    write_model(str(tmp_path), encoder_weights(objective.state_dict(), meta), objective.model.config,
+                tiny_model, "cls", 32, "test")
+    assert not any(key.startswith("pooler.") for key in load_file(tmp_path / "model.safetensors"))
+    assert not (tmp_path / "2_Dense").exists()
