@@ -36,6 +36,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "all-MiniLM-L6-v2"  # packaged alias, local folder, or a hub id the user has cached
+    init: str = "pretrained"  # pretrained weights of model.name, or scratch: model.name is just the architecture
+    tokenizer: str = ""  # tokenizer folder/URL (e.g. from data_prep tokenizer); "" = model.name's own
     dropout: float | None = None  # overrides hidden and attention dropout when set (SimCSE needs > 0)
 
 
@@ -126,6 +128,9 @@ class Config:
             ("train.steps", t.steps > 0, "> 0"),
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
             ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
+            ("model.init", self.model.init in ("pretrained", "scratch"), "pretrained or scratch"),
+            ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
+             "a tokenizer folder when model.init is scratch"),
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),

@@ -101,7 +101,9 @@ def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
     rows = []
-    for label, model_name in (("before", cfg.model.name), ("after", exported)):
+    # A model trained from scratch has no "before" worth scoring.
+    models = [("before", cfg.model.name)] if cfg.model.init == "pretrained" else []
+    for label, model_name in models + [("after", exported)]:
         model, tokenizer = load_encoder(model_name), load_tokenizer(model_name)
         for pooling in cfg.eval.test_poolings.split(","):
             scores = evaluate_sts(model, tokenizer, sts, pooling=pooling.strip(), batch_size=cfg.eval.batch_size)

@@ -154,3 +154,19 @@ def test_recipe_trains_end_to_end_on_two_workers(recipe, local_shards, tmp_path)
     events = EventAccumulator(str(tmp_path / recipe / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     assert [e.step for e in events.Images("analysis/token_similarity")] == [0, 2]
+
+
+def test_tacl_from_scratch_with_a_sentencepiece_tokenizer(local_shards, tmp_path):
+    """model.init: scratch — a random BERT sized to a tokenizer trained by `data_prep tokenizer`."""
+    tokenizer = tmp_path / "tokenizer"
+    assert run("-m", "data_prep", "tokenizer", "--input", local_shards, "--vocab-size", "600",
+               "--out", str(tokenizer)).returncode == 0
+    proc = run("-m", "clsys.pretrain", "--config", "tacl", *SHORT, "train.batch_size=8", "data.max_length=64",
+               f"data.url={local_shards}", f"train.run_root={tmp_path}", "train.name=scratch", "train.steps=2",
+               "train.ckpt_every=2", "eval.sts_dev=", "model.init=scratch",
+               f"model.name={REPO / 'clsys' / 'configs' / 'models' / 'bert-mini.json'}", f"model.tokenizer={tokenizer}")
+    assert proc.returncode == 0
+    from transformers import AutoModel, AutoTokenizer
+
+    exported = tmp_path / "scratch" / "export"
+    assert AutoModel.from_pretrained(exported).config.vocab_size == len(AutoTokenizer.from_pretrained(exported)) == 600

@@ -109,15 +109,15 @@ def test_teacher_stays_frozen_and_the_mlm_head_is_tied(tiny_model):
     tokenizer = load_tokenizer(tiny_model)
     objective = TaCL(cfg, tokenizer)
     objective.train()
-    assert not objective.teacher.training and objective.student.training
-    head = objective.student.get_output_embeddings().weight
-    assert head.data_ptr() == objective.student.get_input_embeddings().weight.data_ptr()
+    assert not objective.teacher.training and objective.model.training
+    head = objective.mlm_head.predictions.decoder.weight
+    assert head.data_ptr() == objective.model.get_input_embeddings().weight.data_ptr()
 
     trainable = [p for p in objective.parameters() if p.requires_grad]
     teacher_ids = {id(p) for p in objective.teacher.parameters()}
     assert trainable and not teacher_ids & {id(p) for p in trainable}
     before = {k: v.clone() for k, v in objective.teacher.state_dict().items()}
-    student_before = objective.student.base_model.embeddings.word_embeddings.weight.clone()
+    student_before = objective.model.embeddings.word_embeddings.weight.clone()
 
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     texts = [{"txt": t} for t in ["The cat sat on the mat in the sun.", "Stocks fell sharply on Monday morning.",
@@ -130,7 +130,7 @@ def test_teacher_stays_frozen_and_the_mlm_head_is_tied(tiny_model):
         optimizer.step()
     for k, v in objective.teacher.state_dict().items():
         assert torch.equal(v, before[k]), f"teacher parameter {k} changed"
-    assert not torch.equal(objective.student.base_model.embeddings.word_embeddings.weight, student_before)
+    assert not torch.equal(objective.model.embeddings.word_embeddings.weight, student_before)
 
 
 def test_fixed_padding_switch_pads_to_max_length(tiny_model):

@@ -1,4 +1,4 @@
-"""BERT-style dynamic masking, shared by every objective with a masked-LM part (TaCL, the SimCSE MLM
+"""BERT-style dynamic masking and the masked-LM loss, shared by every objective with a masked-LM part (TaCL, the SimCSE MLM
 auxiliary, cross-lingual QLM). Spec: shared/spec/OBJECTIVES.md §1.3.
 
 For a sequence of n real tokens (special tokens included in n), m = min(cap, max(1, round(p·n)))
@@ -61,3 +61,15 @@ class Masker:
         keep = torch.ones(self.vocab_size, dtype=torch.bool)
         keep[list(self.special_ids)] = False
         return keep.nonzero().squeeze(1)
+
+
+def masked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                   chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the original tokens at the chosen positions, and the accuracy there.
+
+    The head runs on the chosen rows only (M vectors instead of B·L), which is what makes the
+    vocabulary projection affordable.
+    """
+    logits = head(hidden[chosen]).float()
+    labels = targets[chosen]
+    return torch.nn.functional.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()

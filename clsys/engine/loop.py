@@ -79,7 +79,7 @@ def train_worker(payload: dict) -> None:
 
     # Same seed on every rank while building, so freshly initialised heads are identical everywhere.
     torch.manual_seed(cfg.train.seed)
-    tokenizer = load_tokenizer(cfg.model.name)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     engine = build_engine(objective, cfg)
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -61,18 +62,67 @@ def _without_pooler(config) -> dict:
     return {"add_pooling_layer": False} if config.model_type in POOLER_MODEL_TYPES else {}
 
 
-def load_encoder(name: str, **overrides) -> nn.Module:
-    """A bare pretrained ``AutoModel`` without the NSP pooler layer; ``overrides`` patch its config."""
-    from transformers import AutoConfig, AutoModel
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     # Loading without the pooler makes transformers report its weights as "unexpected": we drop
     # them on purpose, so keep that report (and the per-tensor progress bar) off the console.
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def load_encoder(name: str, **overrides) -> nn.Module:
+    """A bare pretrained ``AutoModel`` without the NSP pooler layer; ``overrides`` patch its config."""
+    from transformers import AutoConfig, AutoModel
+
+    _quiet_transformers()
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path, **overrides)
     return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+
+
+def _training_config(model_cfg, tokenizer):
+    """(folder, HF config) of the model an objective trains.
+
+    ``model.init: pretrained``: ``model.name`` is a pretrained model. ``model.init: scratch``:
+    ``model.name`` only describes the architecture (a config.json file or a folder with one) and the
+    embeddings are sized to the tokenizer (e.g. one trained by ``data_prep tokenizer``).
+    """
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    path = resolve_model_path(model_cfg.name)
+    config = AutoConfig.from_pretrained(path, **model_overrides(model_cfg))
+    if model_cfg.init == "scratch":
+        config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    return path, config
+
+
+def build_encoder(model_cfg, tokenizer) -> nn.Module:
+    """The encoder (without NSP pooler) that an objective trains: pretrained or freshly initialised."""
+    from transformers import AutoModel
+
+    path, config = _training_config(model_cfg, tokenizer)
+    if model_cfg.init == "scratch":
+        return AutoModel.from_config(config, **_without_pooler(config))
+    return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+
+
+def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
+    """(encoder, masked-LM head). The head comes from the checkpoint when it has one; otherwise (e.g. a
+    sentence-transformers model, or from scratch) it is new, its decoder tied to the word embeddings."""
+    from transformers import AutoModelForMaskedLM
+
+    path, config = _training_config(model_cfg, tokenizer)
+    if model_cfg.init == "scratch":
+        model = AutoModelForMaskedLM.from_config(config)
+    else:
+        model = AutoModelForMaskedLM.from_pretrained(path, config=config)
+    # The head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
+    for attribute in ("cls", "lm_head"):
+        if hasattr(model, attribute):
+            return model.base_model, getattr(model, attribute)
+    raise ValueError(f"{type(model).__name__}: no masked-LM head this code knows")
 
 
 def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
@@ -86,8 +136,17 @@ def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
 
 
 def load_tokenizer(name: str):
+    """A tokenizer folder (local, file:// or s3://), a packaged alias, or a hub id."""
     from transformers import AutoTokenizer
 
+    from clsys import storage
+
+    if storage.is_s3(name):
+        local = tempfile.mkdtemp(prefix="clsys-tokenizer-")
+        storage.download_dir(name, local)
+        name = local
+    elif name.startswith("file://"):
+        name = storage.parse(name).path
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
-from clsys.model.encoder import load_encoder, model_overrides, pool
+from clsys.model.encoder import build_encoder, pool
 from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
 
@@ -152,7 +152,7 @@ class SelfGuided(Objective):
         if cfg.train.zero_stage == 3:
             # L_reg reads whole parameter tensors outside their modules' forward; ZeRO-3 partitions them.
             raise ValueError("objective self_guided: train.zero_stage 3 is not supported (use 0-2)")
-        self.model = load_encoder(cfg.model.name, **model_overrides(cfg.model))  # BERT_T
+        self.model = build_encoder(cfg.model, tokenizer)  # BERT_T
         self.frozen = copy.deepcopy(self.model)  # BERT_F: the starting point, never updated
         self.frozen.requires_grad_(False)
         if oc.freeze_embeddings:
@@ -176,7 +176,7 @@ class SelfGuided(Objective):
         """L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.
 
         Frozen tensors of BERT_T equal BERT_F's bitwise and add exactly 0, so only trainable ones are summed.
-        BERT_T has no NSP pooler here (load_encoder drops it); it is unused by [CLS] pooling anyway.
+        BERT_T has no NSP pooler here (build_encoder drops it); it is unused by [CLS] pooling anyway.
         """
         frozen = dict(self.frozen.named_parameters())
         terms = [(p.float() - frozen[name].float()).pow(2).sum()

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
-from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, load_encoder, model_overrides, pool
+from clsys.data.masking import Masker, masked_lm_loss
+from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, build_encoder, build_masked_lm, pool
 from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
@@ -33,6 +34,8 @@ class SimCSEConfig(ObjectiveConfig):
     gather: bool = True  # negatives from the global batch (all ranks) rather than the local one
     supervised: bool = False  # NLI triplets with hard negatives (§2.3) instead of dropout views of sentences
     hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (§2.3; supervised only)
+    mlm_weight: float = 0.0  # > 0 adds the MLM auxiliary on a separate masked forward (§2.3: 0.1 when on)
+    mlm_probability: float = 0.15
 
 
 class MLPPooler(nn.Module):
@@ -68,7 +71,12 @@ class SimCSE(Objective):
         if oc.hard_negative_weight and not oc.supervised:
             raise ValueError("objective.hard_negative_weight: only supervised SimCSE has hard negatives "
                              "(set objective.supervised: true)")
-        self.model = load_encoder(cfg.model.name, **model_overrides(cfg.model))
+        if oc.mlm_weight:
+            # The auxiliary needs an MLM head: the checkpoint's, or a new one tied to the embeddings.
+            self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
+            self.masker = Masker.for_tokenizer(tokenizer, oc.mlm_probability, cap=cfg.data.max_length)
+        else:
+            self.model, self.mlm_head, self.masker = build_encoder(cfg.model, tokenizer), None, None
         if oc.export_pooling == "cls_mlp" and self.model.config.model_type not in POOLER_MODEL_TYPES:
             raise ValueError(f"objective.export_pooling: cls_mlp is exported as the HF pooler, which "
                              f"{self.model.config.model_type} models lack (supported: {', '.join(POOLER_MODEL_TYPES)})")
@@ -83,11 +91,16 @@ class SimCSE(Objective):
         else:
             # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
             texts = [s["txt"] for s in samples] * 2
-        return dict(self.tokenizer(texts, padding=True, truncation=True,
-                                   max_length=self.cfg.data.max_length, return_tensors="pt"))
+        batch = dict(self.tokenizer(texts, padding=True, truncation=True,
+                                    max_length=self.cfg.data.max_length, return_tensors="pt"))
+        if self.masker is not None:
+            # Masked copies of every row, for the MLM auxiliary's separate forward pass (§2.3).
+            batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
+        return batch
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
-        hidden = self.model(**batch).last_hidden_state
+        inputs = {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
+        hidden = self.model(**inputs).last_hidden_state
         if self.mlp is not None:
             z = self.mlp(hidden[:, 0])
         else:
@@ -98,7 +111,15 @@ class SimCSE(Objective):
             (z1, z2), z3 = z.chunk(2), None
         loss = info_nce(z1, z2, self.temperature, hard_negatives=z3,
                         hard_negative_weight=self.hard_negative_weight, gather=self.gather)
-        return LossOutput(loss, {"loss": loss.detach(), **alignment_uniformity(z1.detach(), z2.detach())})
+        metrics = alignment_uniformity(z1.detach(), z2.detach())
+        if self.mlm_head is not None:
+            metrics["contrastive_loss"] = loss.detach()
+            # The contrastive views see clean text; the MLM sees masked copies with the same attention.
+            masked = self.model(**{**inputs, "input_ids": batch["masked_input_ids"]}).last_hidden_state
+            mlm, metrics["mlm_accuracy"] = masked_lm_loss(self.mlm_head, masked, batch["input_ids"], batch["chosen"])
+            metrics["mlm_loss"] = mlm.detach()
+            loss = loss + self.cfg.objective.mlm_weight * mlm
+        return LossOutput(loss, {"loss": loss.detach(), **metrics})
 
     def encoder(self) -> nn.Module:
         return self.model

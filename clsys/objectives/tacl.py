@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
-from clsys.data.masking import Masker
-from clsys.model.encoder import POOLINGS, model_overrides, resolve_model_path
+from clsys.data.masking import Masker, masked_lm_loss
+from clsys.model.encoder import POOLINGS, build_masked_lm
 from clsys.objectives.base import LossOutput, Objective
 
 
@@ -56,14 +56,6 @@ def token_contrastive_loss(student: torch.Tensor, teacher: torch.Tensor, chosen:
     return loss, accuracy
 
 
-def _mlm_head(model: nn.Module) -> nn.Module:
-    # The prediction head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
-    for name in ("cls", "lm_head"):
-        if hasattr(model, name):
-            return getattr(model, name)
-    raise ValueError(f"{type(model).__name__} has no masked-LM head this objective knows")
-
-
 class TaCL(Objective):
     config_class = TaCLConfig
 
@@ -73,16 +65,13 @@ class TaCL(Objective):
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
-        from transformers import AutoModelForMaskedLM
-
         oc: TaCLConfig = cfg.objective
         if oc.export_pooling not in POOLINGS:
             raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
-        # With a checkpoint that has no MLM head (e.g. a sentence-transformers model) the head is
-        # created fresh, its decoder tied to the word embeddings as in BERT.
-        self.student = AutoModelForMaskedLM.from_pretrained(resolve_model_path(cfg.model.name),
-                                                            **model_overrides(cfg.model))
-        self.teacher = copy.deepcopy(self.student.base_model)
+        # The student: encoder + MLM head (new and tied to the word embeddings when the checkpoint
+        # has none); works from scratch too (model.init: scratch with a SentencePiece tokenizer).
+        self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
+        self.teacher = copy.deepcopy(self.model)
         self.teacher.requires_grad_(False)
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, oc.mask_cap)
         self.oc = oc
@@ -102,22 +91,20 @@ class TaCL(Objective):
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         clean, chosen = batch["input_ids"], batch["chosen"]
         inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "masked_input_ids", "chosen")}
-        hidden = self.student.base_model(input_ids=batch["masked_input_ids"], **inputs).last_hidden_state
+        hidden = self.model(input_ids=batch["masked_input_ids"], **inputs).last_hidden_state
         with torch.no_grad():
             target = self.teacher(input_ids=clean, **inputs).last_hidden_state
 
-        # MLM on the chosen positions only: the head runs on M rows instead of B·L.
-        logits = _mlm_head(self.student)(hidden[chosen])
-        mlm = F.cross_entropy(logits.float(), clean[chosen])
+        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, hidden, clean, chosen)
         candidates = torch.ones_like(chosen) if self.oc.pad_negatives else batch["attention_mask"].bool()
         tcl, tcl_accuracy = token_contrastive_loss(hidden, target, chosen, candidates, self.oc.temperature)
         loss = self.oc.mlm_weight * mlm + self.oc.contrastive_weight * tcl
         metrics = {"loss": loss.detach(), "mlm_loss": mlm.detach(), "token_cl_loss": tcl.detach(),
-                   "token_cl_accuracy": tcl_accuracy, "mlm_accuracy": (logits.argmax(-1) == clean[chosen]).float().mean()}
+                   "token_cl_accuracy": tcl_accuracy, "mlm_accuracy": mlm_accuracy}
         return LossOutput(loss, metrics)
 
     def encoder(self) -> nn.Module:
-        return self.student.base_model
+        return self.model
 
     def export_pooling(self) -> str:
         return self.oc.export_pooling
