@@ -75,8 +75,8 @@ def sts_sentence_stream(out: str) -> str:
 
 def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float, seed: int, out: str) -> float:
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
-    from sentence_transformers.models import Pooling, Transformer
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
     from clsys.model.encoder import resolve_model_path
 
@@ -85,7 +85,7 @@ def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float,
     sentences = [s["txt"] for shard in load_shards(storage.join(shards, "sentences")) for s in read_shard(shard)]
     random.shuffle(sentences)
     word = Transformer(resolve_model_path(MODEL), max_seq_length=32)
-    model = SentenceTransformer(modules=[word, Pooling(word.get_word_embedding_dimension(), "cls")], device="cpu")
+    model = SentenceTransformer(modules=[word, Pooling(word.get_embedding_dimension(), "cls")], device="cpu")
     loss = MultipleNegativesRankingLoss(model, scale=20.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, (steps - step) / steps))
@@ -93,7 +93,7 @@ def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float,
     start = time.perf_counter()
     for step in range(steps):
         texts = sentences[step * batch % len(sentences):][:batch]
-        features = [model.tokenize(texts), model.tokenize(texts)]  # two forwards: two dropout masks
+        features = [model.preprocess(texts), model.preprocess(texts)]  # two forwards: two dropout masks
         value = loss(features, None)
         optimizer.zero_grad()
         value.backward()

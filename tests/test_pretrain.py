@@ -138,10 +138,12 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
     assert "credentials" in proc.stderr and "wrong-secret-123" not in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("recipe", ["simcse_sup", "tacl", "sg_opt"])
-def test_recipe_trains_end_to_end_on_two_workers(recipe, local_shards, tmp_path):
-    """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store."""
-    proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, "train.batch_size=8", "data.max_length=64",
+@pytest.mark.parametrize("recipe,extra", [("simcse_sup", ["objective.mlm_weight=0.1"]),
+                                          ("tacl", ["objective.nsp_weight=1.0"]), ("sg_opt", [])])
+def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, local_shards, tmp_path):
+    """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store
+    (SimCSE with its MLM auxiliary on, TaCL with NSP on, so those paths run through DeepSpeed too)."""
+    proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, *extra, "train.batch_size=8", "data.max_length=64",
                f"data.url={local_shards}", f"train.run_root={tmp_path}", f"train.name={recipe}", "train.steps=2",
                "train.ckpt_every=2",
                "eval.every=2", "eval.max_pairs=16", "eval.heatmap_text=The cat sat on the mat.")

@@ -138,3 +138,40 @@ def test_fixed_padding_switch_pads_to_max_length(tiny_model):
     batch = TaCL(cfg, load_tokenizer(tiny_model)).collate([{"txt": "One sentence."}, {"txt": "Another, longer one."}])
     assert batch["input_ids"].shape == (2, 24)
     assert not (batch["chosen"] & (batch["attention_mask"] == 0)).any()
+
+
+PASSAGES = [
+    {"txt": "The river rises in the hills. It flows east for forty miles. It reaches the sea at the port.",
+     "json": {"lang": "en", "page_id": 1}},
+    {"txt": "The castle was built in stone. Its walls are three metres thick. A moat surrounds the keep.",
+     "json": {"lang": "en", "page_id": 2}},
+]
+
+
+def test_nsp_pairs_are_continuations_or_from_another_page():
+    import random
+
+    from clsys.objectives.tacl import nsp_pairs
+
+    rng, labels = random.Random(0), []
+    for _ in range(400):
+        firsts, seconds, batch_labels = nsp_pairs(PASSAGES, rng)
+        for sample, a, b, label in zip(PASSAGES, firsts, seconds, batch_labels):
+            assert sample["txt"].startswith(a)
+            other = PASSAGES[1 - PASSAGES.index(sample)]["txt"]
+            assert (b in other) if label else sample["txt"] == f"{a} {b}"
+        labels += batch_labels
+    assert abs(sum(labels) / len(labels) - 0.5) < 0.05
+
+
+def test_nsp_adds_a_pair_classification_loss(tiny_model):
+    cfg = load_config("tacl", [f"model.name={tiny_model}", "data.max_length=48", "objective.nsp_weight=1.0"])
+    objective = TaCL(cfg, load_tokenizer(tiny_model))
+    assert objective.model.pooler is None, "the exported encoder must stay pooler-free"
+    batch = objective.collate(PASSAGES * 2)
+    assert batch["token_type_ids"].max() == 1 and batch["nsp_labels"].shape == (4,)
+    out = objective(batch)
+    parts = out.metrics["mlm_loss"] + out.metrics["token_cl_loss"] + out.metrics["nsp_loss"]
+    torch.testing.assert_close(out.loss.detach(), parts)
+    out.loss.backward()
+    assert objective.nsp_head[1].weight.grad.abs().sum() > 0

@@ -125,6 +125,27 @@ def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
     raise ValueError(f"{type(model).__name__}: no masked-LM head this code knows")
 
 
+def build_bert_pretraining(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(encoder, masked-LM head, next-sentence head) of a BERT; heads from the checkpoint where it has
+    them, else new (the MLM decoder tied to the word embeddings).
+
+    The NSP head is BERT's pooler (dense + tanh on [CLS]) followed by the 2-way classifier. The pooler
+    is taken out of the encoder, so the encoder that export saves stays pooler-free like every other.
+    """
+    from transformers import AutoModelForPreTraining
+
+    path, config = _training_config(model_cfg, tokenizer)
+    if config.model_type != "bert":
+        raise ValueError(f"next-sentence prediction needs a BERT model, not {config.model_type}")
+    if model_cfg.init == "scratch":
+        model = AutoModelForPreTraining.from_config(config)
+    else:
+        model = AutoModelForPreTraining.from_pretrained(path, config=config)
+    encoder, pooler = model.base_model, model.base_model.pooler
+    encoder.pooler = None
+    return encoder, model.cls.predictions, nn.Sequential(pooler, model.cls.seq_relationship)
+
+
 def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
     """An untrained encoder of the given architecture (export fills in the trained weights).
 

@@ -11,11 +11,14 @@ Departures from the original code, each a deliberate fix (§1.9):
 - batches are padded dynamically and pad positions are left out of the softmax; the original padded
   to a fixed 256 and kept the pads as negatives: ``pad_negatives: true`` pads to ``data.max_length``
   and keeps them, which is the faithful denominator;
-- NSP is not part of this objective yet (the original adds it with weight 1; §1.9 gotcha 1).
+- NSP is off by default (``nsp_weight: 0``); the original code adds it with weight 1 (§1.9 gotcha 1),
+  which ``nsp_weight: 1`` restores. Pairs are built per batch from the ``documents`` passages (below),
+  not once at load time as the original does.
 """
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
-from clsys.model.encoder import POOLINGS, build_masked_lm
+from clsys.model.encoder import POOLINGS, build_bert_pretraining, build_masked_lm
 from clsys.objectives.base import LossOutput, Objective
 
 
@@ -39,6 +42,40 @@ class TaCLConfig(ObjectiveConfig):
     pad_negatives: bool = False  # fixed-length padding with pads in the denominator (faithful)
     teacher_dropout: bool = False  # run the frozen teacher in train mode (faithful) instead of eval
     export_pooling: str = "cls"
+    nsp_weight: float = 0.0  # > 0: add next-sentence prediction on sentence pairs (original: 1.0)
+
+
+def nsp_pairs(samples: list[dict[str, Any]], rng: random.Random) -> tuple[list[str], list[str], list[int]]:
+    """BERT sentence-pair instances from passages (§1.2): segment A is the passage's first k sentences;
+    segment B is the rest of it (label 0) or, with probability 0.5, sentences of another page's passage
+    in the batch (label 1, BERT's convention). Sentences are re-split with the language-aware splitter
+    that built the passages; a one-sentence passage is cut between words."""
+    from data_prep.sentences import SplitStats, split_sentences
+
+    split = [split_sentences(s["json"].get("lang", "en"), s["txt"], SplitStats()) or [s["txt"]] for s in samples]
+    split = [parts if len(parts) > 1 else _halves(parts[0]) for parts in split]
+    firsts, seconds, labels = [], [], []
+    for i, parts in enumerate(split):
+        k = rng.randrange(1, len(parts))
+        others = [j for j in range(len(samples)) if samples[j]["json"].get("page_id") != samples[i]["json"].get("page_id")]
+        if others and rng.random() < 0.5:
+            other = split[rng.choice(others)]
+            start = rng.randrange(len(other))
+            firsts.append(" ".join(parts[:k]))
+            seconds.append(" ".join(other[start:start + len(parts) - k]))
+            labels.append(1)
+        else:
+            firsts.append(" ".join(parts[:k]))
+            seconds.append(" ".join(parts[k:]))
+            labels.append(0)
+    return firsts, seconds, labels
+
+
+def _halves(text: str) -> list[str]:
+    words = text.split()
+    if len(words) < 2:
+        return [text, text]
+    return [" ".join(words[:len(words) // 2]), " ".join(words[len(words) // 2:])]
 
 
 def token_contrastive_loss(student: torch.Tensor, teacher: torch.Tensor, chosen: torch.Tensor,
@@ -70,7 +107,10 @@ class TaCL(Objective):
             raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
         # The student: encoder + MLM head (new and tied to the word embeddings when the checkpoint
         # has none); works from scratch too (model.init: scratch with a SentencePiece tokenizer).
-        self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
+        if oc.nsp_weight:
+            self.model, self.mlm_head, self.nsp_head = build_bert_pretraining(cfg.model, tokenizer)
+        else:
+            (self.model, self.mlm_head), self.nsp_head = build_masked_lm(cfg.model, tokenizer), None
         self.teacher = copy.deepcopy(self.model)
         self.teacher.requires_grad_(False)
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, oc.mask_cap)
@@ -83,14 +123,21 @@ class TaCL(Objective):
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         padding = "max_length" if self.oc.pad_negatives else True
-        batch = self.tokenizer([s["txt"] for s in samples], padding=padding, truncation=True,
-                               max_length=self.cfg.data.max_length, return_tensors="pt")
+        encode = dict(padding=padding, truncation=True, max_length=self.cfg.data.max_length, return_tensors="pt")
+        extra = {}
+        if self.nsp_head is not None:
+            # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
+            firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
+            batch = self.tokenizer(firsts, seconds, **{**encode, "truncation": "longest_first"})
+            extra["nsp_labels"] = torch.tensor(labels)
+        else:
+            batch = self.tokenizer([s["txt"] for s in samples], **encode)
         masked_ids, chosen = self.masker(batch["input_ids"], batch["attention_mask"])
-        return {**batch, "masked_input_ids": masked_ids, "chosen": chosen}
+        return {**batch, "masked_input_ids": masked_ids, "chosen": chosen, **extra}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         clean, chosen = batch["input_ids"], batch["chosen"]
-        inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "masked_input_ids", "chosen")}
+        inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "masked_input_ids", "chosen", "nsp_labels")}
         hidden = self.model(input_ids=batch["masked_input_ids"], **inputs).last_hidden_state
         with torch.no_grad():
             target = self.teacher(input_ids=clean, **inputs).last_hidden_state
@@ -99,9 +146,16 @@ class TaCL(Objective):
         candidates = torch.ones_like(chosen) if self.oc.pad_negatives else batch["attention_mask"].bool()
         tcl, tcl_accuracy = token_contrastive_loss(hidden, target, chosen, candidates, self.oc.temperature)
         loss = self.oc.mlm_weight * mlm + self.oc.contrastive_weight * tcl
-        metrics = {"loss": loss.detach(), "mlm_loss": mlm.detach(), "token_cl_loss": tcl.detach(),
+        metrics = {"mlm_loss": mlm.detach(), "token_cl_loss": tcl.detach(),
                    "token_cl_accuracy": tcl_accuracy, "mlm_accuracy": mlm_accuracy}
-        return LossOutput(loss, metrics)
+        if self.nsp_head is not None:
+            # NSP from the student's pooled [CLS] of the masked pair, as BertForPreTraining does.
+            nsp_logits = self.nsp_head(hidden).float()
+            nsp = F.cross_entropy(nsp_logits, batch["nsp_labels"])
+            metrics["nsp_loss"] = nsp.detach()
+            metrics["nsp_accuracy"] = (nsp_logits.argmax(-1) == batch["nsp_labels"]).float().mean()
+            loss = loss + self.oc.nsp_weight * nsp
+        return LossOutput(loss, {"loss": loss.detach(), **metrics})
 
     def encoder(self) -> nn.Module:
         return self.model
