@@ -110,7 +110,3 @@ def load(engine, url: str, world_size: int) -> tuple[int, dict]:
     finally:
         shutil.rmtree(local, ignore_errors=True)
     return int(client["step"]), rank_state
-
-
-def read_meta(url: str) -> dict:
-    return storage.read_json(storage.join(url, "clsys_state.json"))

@@ -56,8 +56,8 @@ def build_engine(model: torch.nn.Module, cfg: Config):
     import deepspeed
 
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
+    for param in model.parameters():
+        if param.requires_grad:  # frozen parts (teacher, BERT_F, frozen embeddings) stay out of the optimizer
             # As in BERT and the HF Trainer: no weight decay on biases and LayerNorm weights.
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

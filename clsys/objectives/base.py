@@ -59,6 +59,3 @@ class Objective(nn.Module):
         For heads the objective trains outside ``encoder()`` but that ship with the exported model.
         """
         return {}
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
