@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ class EvalConfig:
     sts_test: str = ""  # after training: compare the base model and the exported one on this set
     test_poolings: str = "cls,mean"  # comma list of poolings for that comparison
     heatmap_text: str = ""  # when set: a token-similarity heatmap of this sentence in TensorBoard at each evaluation
+    xling: list[str] = field(default_factory=list)  # XQuAD question→paragraph directions, e.g. [en-de, de-en]
+    xling_articles: str = "24:48"  # XQuAD articles evaluated (0:24 build the bundled CLIR fixtures)
+    tatoeba: list[str] = field(default_factory=list)  # bitext retrieval sets, e.g. [deu-eng]
+    rerank_top: int = 10  # re-rank this many bi-encoder candidates with the objective's scorer (0 = off)
 
 
 @dataclass
@@ -134,6 +139,8 @@ class Config:
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
+            ("eval.xling_articles", re.fullmatch(r"\d*:\d*", self.eval.xling_articles) is not None,
+             'an article range START:STOP, quoted in YAML ("24:48")'),
         ]
         for key, ok, expected in checks:
             if not ok:
@@ -152,6 +159,13 @@ def _coerce(key: str, value, tp):
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             return None
         return _coerce(key, value, args[0])
+    if origin is list:
+        if isinstance(value, str):  # a CLI override: "[en-de, en-es]" or "en-de,en-es"
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(tp)
+        return [_coerce(key, v, item_type) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = yaml.safe_load(value)
@@ -181,6 +195,8 @@ def _coerce(key: str, value, tp):
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if tp is str:
+        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            return value[1:-1]  # a quoted CLI override
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return str(value)
@@ -250,7 +266,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        items.append((key.strip(), yaml.safe_load(value) if value.strip() else "", "override: "))
+        # The raw string: _coerce parses it for the key's type (YAML would read 24:48 as the number 1488).
+        items.append((key.strip(), value.strip(), "override: "))
     return _build(items)
 
 

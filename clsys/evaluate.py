@@ -1,4 +1,4 @@
-"""Evaluation of a text encoder on semantic textual similarity (STS).
+"""Evaluation of a text encoder: semantic textual similarity (STS) and cross-lingual retrieval.
 
 An STS set is a list of sentence pairs with human similarity scores (0-5). The encoder's
 score for a pair is the cosine similarity of the two sentence embeddings; the result is
@@ -8,8 +8,12 @@ Library use (the trainer calls this on rank 0 for dev evaluation):
     sts = load_sts(resolve_sts("stsb-en-dev"))
     evaluate_sts(hf_encoder, tokenizer, sts, pooling="cls")  # {"spearman", "pearson", "n"}
 
+Cross-lingual retrieval (XQuAD, Tatoeba) lives in clsys.retrieval; this CLI runs both kinds.
+
 CLI:
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --sts stsb-en-test,korsts-test --pooling cls,mean
+    python -m clsys.evaluate --model all-MiniLM-L6-v2 --xling en-de de-en --articles 24:48 \
+        --tatoeba deu-eng --pooling mean
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from scipy.stats import pearsonr, spearmanr
 from torch import nn
 
 from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer, resolve_model_path
+from clsys.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
+                             load_tatoeba, parse_articles, xquad_pair)
 
 # Bundled dev/test splits of stsb-multi-mt (en, de) and KorSTS; origin and licences in LICENSE.md there.
 STS_ASSETS = Path(__file__).parent / "assets" / "sts"
@@ -113,10 +119,26 @@ def evaluate_sts(model: nn.Module, tokenizer, sts: StsSet, pooling: str, batch_s
     return {"spearman": spearman, "pearson": pearson, "n": len(sts.scores)}
 
 
-# Evaluation kinds: CLI option -> (read one data set given by name or path, score it).
-# Another kind (e.g. cross-lingual retrieval) adds an entry here and its option in parse_args.
-EVALUATIONS: dict[str, tuple[Callable[[str], Any], Callable[..., dict[str, Any]]]] = {
-    "sts": (lambda spec: load_sts(resolve_sts(spec)), evaluate_sts),
+def _xling_pair(spec: str) -> tuple[str, str]:
+    query_lang, _, doc_lang = spec.partition("-")
+    if not query_lang or not doc_lang or "-" in doc_lang:
+        raise ValueError(f"bad --xling pair '{spec}' (expected QUESTIONLANG-PARAGRAPHLANG, e.g. en-de; "
+                         f"bundled languages: {', '.join(bundled_xquad())})")
+    return query_lang, doc_lang
+
+
+def _load_xling(spec: str, args: argparse.Namespace) -> XquadSet:
+    articles = parse_articles(args.articles) if args.articles else None
+    return xquad_pair(*_xling_pair(spec), articles, args.xquad_dir)
+
+
+# Evaluation kinds: CLI option -> (read one data set given by name or path, score it). The reader
+# also gets the parsed arguments, for options that qualify every set of its kind (--articles).
+# Another kind adds an entry here and its option in parse_args.
+EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], Any], Callable[..., dict[str, Any]]]] = {
+    "sts": (lambda spec, args: load_sts(resolve_sts(spec)), evaluate_sts),
+    "xling": (_load_xling, evaluate_retrieval),
+    "tatoeba": (lambda spec, args: load_tatoeba(spec), evaluate_bitext),
 }
 
 
@@ -128,9 +150,19 @@ def default_max_length(model_dir: str, model: nn.Module) -> int:
     return min(512, model.config.max_position_embeddings)
 
 
+# Column headers: the short names papers use; other metrics are shown capitalised ("Spearman").
+LABELS = {"mrr@10": "MRR@10", "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
+
+
+def _label(metric: str) -> str:
+    if metric.startswith("rerank_"):
+        return "rerank-" + _label(metric.removeprefix("rerank_"))
+    return LABELS.get(metric, metric.capitalize())
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     metrics = list(dict.fromkeys(k for row in rows for k in row if k not in ("kind", "set", "pooling", "n")))
-    header = ["set", "pooling", "n"] + [m.capitalize() for m in metrics]
+    header = ["set", "pooling", "n"] + [_label(m) for m in metrics]
     lines = [[row["set"], row["pooling"], str(row["n"])] + [f"{row[m]:.2f}" if m in row else "" for m in metrics]
              for row in rows]
     widths = [max(len(r[c]) for r in [header] + lines) for c in range(len(header))]
@@ -143,11 +175,32 @@ def _split(csv_list: str) -> list[str]:
     return [x.strip() for x in csv_list.split(",") if x.strip()]
 
 
+def _missing_folder(path: str) -> bool:
+    # Only hub-id-shaped names ("org/name") may be meant for the hub; anything else is a missing
+    # folder, which the hub client would report as a confusing "bad repo id".
+    return not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.count("/") > 1)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m clsys.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="exported clsys folder, any HF model folder, or a packaged alias")
-    p.add_argument("--sts", default="stsb-en-test",
-                   help=f"comma list of STS files or bundled sets ({', '.join(bundled_sts())})")
+    # Each set option takes one or more values, each a comma list.
+    p.add_argument("--sts", nargs="+", default=[], metavar="SET",
+                   help=f"STS files or bundled sets ({', '.join(bundled_sts())}); "
+                        "default stsb-en-test unless --xling or --tatoeba is given")
+    p.add_argument("--xling", nargs="+", default=[], metavar="Q-P",
+                   help="XQuAD retrieval of paragraphs in language P for questions in language Q, e.g. en-de "
+                        f"(bundled: {', '.join(bundled_xquad())})")
+    p.add_argument("--xquad-dir", type=Path, default=None,
+                   help="folder of xquad.<lang>.json files (any SQuAD-format JSON) instead of the bundled ones")
+    p.add_argument("--articles", default=None, metavar="START:STOP",
+                   help="XQuAD articles to retrieve over, e.g. 24:48, the held-out half (default: all 48)")
+    p.add_argument("--rerank", nargs="?", const="", default=None, metavar="FOLDER",
+                   help="also re-rank each question's top --xling paragraphs with this cross-encoder folder "
+                        "(FOLDER left out: <model>/reranker)")
+    p.add_argument("--rerank-top", type=int, default=20, help="bi-encoder top paragraphs to re-rank (default 20)")
+    p.add_argument("--tatoeba", nargs="+", default=[], metavar="XXX-eng",
+                   help="Tatoeba bitext retrieval: bundled pairs (deu-eng, ...) or path prefixes DIR/tatoeba.xxx-eng")
     p.add_argument("--pooling", required=True, help=f"comma list of {', '.join(POOLINGS)}")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=None,
@@ -162,33 +215,57 @@ def main(argv: list[str] | None = None) -> None:
     bad = [x for x in poolings if x not in POOLINGS]
     if bad or not poolings:
         parser.error(f"bad --pooling '{args.pooling}' (choose from {', '.join(POOLINGS)})")
+    specs = {kind: [s for value in getattr(args, kind) for s in _split(value)] for kind in EVALUATIONS}
+    if not any(specs.values()):
+        specs["sts"] = ["stsb-en-test"]
+    for option, value in (("--xquad-dir", args.xquad_dir), ("--articles", args.articles), ("--rerank", args.rerank)):
+        if value is not None and not specs["xling"]:
+            parser.error(f"{option} qualifies --xling retrieval: give --xling as well")
+    if args.rerank_top < 1:
+        parser.error(f"--rerank-top must be at least 1, not {args.rerank_top}")
     # Read all data before loading the model, so that a typo fails in a second, not after a minute.
     try:
-        jobs = [(kind, load(spec)) for kind, (load, _) in EVALUATIONS.items() for spec in _split(getattr(args, kind))]
+        jobs = [(kind, EVALUATIONS[kind][0](spec, args)) for kind, kind_specs in specs.items() for spec in kind_specs]
     except (OSError, ValueError) as e:
         parser.error(str(e))
 
     try:
         path = resolve_model_path(args.model)
-        # Only hub-id-shaped names ("org/name") may be meant for the hub; anything else is a missing
-        # folder, which the hub client would report as a confusing "bad repo id".
-        if not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.count("/") > 1):
+        if _missing_folder(path):
             raise FileNotFoundError("no such folder")
         model, tokenizer = load_encoder(args.model), load_tokenizer(args.model)
     except (OSError, ValueError) as e:
         parser.error(f"cannot load model '{args.model}': {str(e).splitlines()[0]}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     max_length = args.max_length or default_max_length(path, model)
+    reranker, reranker_path = None, None
+    if args.rerank is not None:
+        reranker_path = args.rerank or os.path.join(path, "reranker")
+        try:
+            if _missing_folder(reranker_path):
+                raise FileNotFoundError("no such folder")
+            reranker = hf_reranker(reranker_path)
+        except (OSError, ValueError) as e:
+            parser.error(f"cannot load reranker '{reranker_path}': {str(e).splitlines()[0]}")
+    options = {"xling": {"reranker": reranker, "rerank_top": args.rerank_top}}
 
     rows = []
     for kind, data in jobs:
         for pooling in poolings:
-            metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length)
+            metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length,
+                                           **options.get(kind, {}))
             rows.append({"kind": kind, "set": data.name, "pooling": pooling, **metrics})
-    print(f"model {args.model}, max_length {max_length}")
-    print(format_table(rows))
+    settings = {"model": args.model, "max_length": max_length}
+    if specs["xling"]:
+        settings["xquad_articles"] = args.articles or "all"
+    if reranker is not None:
+        settings |= {"reranker": reranker_path, "rerank_top": args.rerank_top}
+    print(", ".join(f"{k} {v}" for k, v in settings.items()))
+    # One table per kind: their metrics differ.
+    kinds = dict.fromkeys(row["kind"] for row in rows)
+    print("\n\n".join(format_table([row for row in rows if row["kind"] == kind]) for kind in kinds))
     if args.json is not None:
-        result = {"model": args.model, "max_length": max_length, "results": rows}
+        result = {**settings, "results": rows}
         try:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         except OSError as e:

@@ -90,16 +90,32 @@ def encoder_weights(state: dict, meta: dict) -> dict:
 def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
                 source: str) -> None:
     """Save the encoder (with the pooler when ``pooling`` is ``cls_mlp``), tokenizer and sentence-transformers files."""
+    model = encoder_from_config(config, with_pooler=pooling == "cls_mlp")
+    _save_filled(model, weights, folder, tokenizer_dir, source)
+    _write_sentence_transformers(folder, pooling, model, max_seq_length)
+
+
+def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: str) -> None:
+    """Load ``weights`` into ``model`` (every parameter must be covered) and save it with the tokenizer."""
     from transformers import AutoTokenizer
 
-    model = encoder_from_config(config, with_pooler=pooling == "cls_mlp")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"{source}: checkpoint does not match the encoder (missing {missing[:5]}, "
+        raise RuntimeError(f"{source}: checkpoint does not match {type(model).__name__} (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    _write_sentence_transformers(folder, pooling, model, max_seq_length)
+
+
+def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, tokenizer_dir: str) -> None:
+    """The objective's relevance head with the encoder as a 2-label ``AutoModelForSequenceClassification``
+    in ``folder`` (scores are its logit 1, see ``clsys.retrieval.hf_reranker``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(config.__class__.from_dict({**config.to_dict(), "num_labels": 2}))
+    full = {f"{model.base_model_prefix}.{k}": v for k, v in weights.items()}
+    full.update({name: state[key] for name, key in meta["export_reranker_map"].items()})
+    _save_filled(model, full, folder, tokenizer_dir, "reranker")
 
 
 def export(checkpoint: str, out: str) -> str:
@@ -117,8 +133,11 @@ def export(checkpoint: str, out: str) -> str:
         hf_dir = os.path.join(ckpt, "hf")
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
-        write_model(folder, encoder_weights(state, meta), config, hf_dir, meta["export_pooling"],
+        weights = encoder_weights(state, meta)
+        write_model(folder, weights, config, hf_dir, meta["export_pooling"],
                     _max_seq_length(meta["config"]["model"]["name"], config), url)
+        if meta.get("export_reranker_map"):
+            write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
             json.dump({"checkpoint": url, "step": meta["step"], "objective": meta["objective"],
                        "pooling": meta["export_pooling"]}, f, indent=2)

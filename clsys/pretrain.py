@@ -47,10 +47,14 @@ def check_data(cfg: Config) -> str:
     from clsys.data.streaming import load_shards, plan_epoch
     from clsys.objectives import OBJECTIVES
 
-    stream = storage.join(cfg.data.url, OBJECTIVES[cfg.objective.name].stream(cfg))
-    shards = load_shards(stream)
-    plan_epoch(shards, 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers, cfg.micro_batch)
-    return stream
+    streams = [storage.join(cfg.data.url, name) for name in OBJECTIVES[cfg.objective.name].streams(cfg)]
+    for stream in streams:
+        try:
+            plan_epoch(load_shards(stream), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
+                       cfg.micro_batch)
+        except ValueError as err:
+            raise ValueError(f"{stream}: {err}") from None
+    return ", ".join(streams)
 
 
 def init_ray(cfg: Config) -> None:

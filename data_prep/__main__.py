@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_prep import __version__, tokenizer, triplets, wiki
+from data_prep import __version__, align, tokenizer, triplets, wiki
 
 COMMANDS = {
     "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),
     "triplets": (triplets, "NLI data (CSV/TSV/JSONL) -> (anchor, positive, negative) shards for supervised SimCSE"),
+    "align": (align, "MediaWiki dumps + langlinks -> aligned cross-language section pairs for CLIR pretraining"),
     "tokenizer": (tokenizer, "sentences stream(s) -> language-balanced SentencePiece model + Hugging Face tokenizer"),
 }
 

@@ -77,6 +77,7 @@ class Page:
     ns: int
     text: str
     redirect: bool
+    redirect_target: str | None = None  # the <redirect title="..."/> of a redirect page
 
 
 def _local(tag: str) -> str:
@@ -204,7 +205,7 @@ class DumpReader:
 
     @staticmethod
     def _page(elem: ET.Element) -> Page:
-        title, ns, page_id, text, redirect = "", 0, 0, "", False
+        title, ns, page_id, text, redirect, target = "", 0, 0, "", False, None
         for child in elem:
             name = _local(child.tag)
             if name == "title":
@@ -214,11 +215,11 @@ class DumpReader:
             elif name == "id":
                 page_id = int(child.text or 0)
             elif name == "redirect":
-                redirect = True
+                redirect, target = True, child.get("title")
             elif name == "revision":  # history dumps hold many revisions: the last one is current
                 text = _child_text(child, "text") or ""
         redirect = redirect or text.lstrip()[:9].upper() == "#REDIRECT"
-        return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect)
+        return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect, redirect_target=target)
 
 
 # ----------------------------------------------------------------------------- the `wiki` command
@@ -273,7 +274,7 @@ def process_page(task: PageTask) -> PageResult:
     return PageResult(task.lang, task.page_id, task.title, sections, stats)
 
 
-def _ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
+def ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
     """Like ``pool.imap`` but with at most ``window`` tasks in flight.
 
     ``Pool.imap`` drains its input eagerly, which would pull a whole multi-GB dump into memory.
@@ -353,7 +354,7 @@ class WikiJob:
                 info = reader.siteinfo
                 report = SourceReport(os.path.basename(reader.path), info.lang, info.dbname)
                 self.sources.append(report)
-                for result in _ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
+                for result in ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
                     self.write(result)
         finally:
             self.bar.close()

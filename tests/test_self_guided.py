@@ -199,7 +199,7 @@ def test_collate_export_and_config_checks(tiny_bert):
     batch = obj.collate([{"txt": "a short sentence."}, {"txt": "a somewhat longer sentence than that."}])
     assert batch["input_ids"].shape[0] == 2  # one copy per sentence, not two views
     assert obj.encoder() is obj.model and obj.export_pooling() == "cls"
-    assert SelfGuided.stream(cfg) == "sentences"
+    assert SelfGuided.streams(cfg) == ["sentences"]
     for bad in ({"loss": "opt3"}, {"layer_pooling": "cls"}):
         with pytest.raises(ValueError):
             _objective(tiny_bert, **bad)

@@ -44,8 +44,8 @@ def make_objective(model: str, **objective) -> SimCSE:
 
 def test_supervised_stream_and_batch(tiny_model):
     objective = make_objective(tiny_model, supervised=True)
-    assert SimCSE.stream(objective.cfg) == "triplets"
-    assert SimCSE.stream(make_objective(tiny_model).cfg) == "sentences"
+    assert SimCSE.streams(objective.cfg) == ["triplets"]
+    assert SimCSE.streams(make_objective(tiny_model).cfg) == ["sentences"]
     batch = objective.collate(SAMPLES)
     assert batch["input_ids"].shape[0] == 3 * len(SAMPLES)  # anchors, positives, negatives in one forward
     rows = objective.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)

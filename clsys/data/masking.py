@@ -22,11 +22,12 @@ class Masker:
     vocab_size: int
     probability: float = 0.15
     cap: int = 64  # at most this many positions per sequence (TaCL: 0.25 · max_len)
+    bernoulli: bool = False  # independent draws per candidate instead of exactly m per sequence
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, probability: float = 0.15, cap: int = 64) -> "Masker":
+    def for_tokenizer(cls, tokenizer, probability: float = 0.15, cap: int = 64, bernoulli: bool = False) -> "Masker":
         return cls(tokenizer.mask_token_id, tuple(sorted(set(tokenizer.all_special_ids))), len(tokenizer),
-                   probability, cap)
+                   probability, cap, bernoulli)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  eligible: torch.Tensor | None = None, generator: torch.Generator | None = None):
@@ -41,11 +42,16 @@ class Masker:
         if eligible is not None:
             candidates &= eligible
             lengths = eligible.sum(1)
-        m = (lengths.double() * self.probability).round().long().clamp(min=1, max=self.cap)
         # A random order of the candidates per row; the first m of it are chosen.
         scores = torch.rand(input_ids.shape, generator=generator).masked_fill(~candidates, -1.0)
         rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
-        chosen = candidates & (rank < m.unsqueeze(1))
+        if self.bernoulli:
+            chosen = candidates & (torch.rand(input_ids.shape, generator=generator) < self.probability)
+            empty = ~chosen.any(1, keepdim=True)
+            chosen |= empty & candidates & (rank == 0)
+        else:
+            m = (lengths.double() * self.probability).round().long().clamp(min=1, max=self.cap)
+            chosen = candidates & (rank < m.unsqueeze(1))
 
         action = torch.rand(input_ids.shape, generator=generator)
         corrupted = input_ids.clone()

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from clsys import storage
 from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
-from clsys.data.streaming import ShardLoader
 from clsys.engine import checkpoint
 from clsys.engine.deepspeed import build_engine, init_distributed
 from clsys.metrics import TensorBoard, Throughput
@@ -59,6 +58,25 @@ def _evaluate_dev(objective: Objective, dev_set, cfg: Config) -> dict:
                         batch_size=cfg.eval.batch_size)
 
 
+def _evaluate_retrieval(objective: Objective, cfg: Config) -> dict[str, float]:
+    """XQuAD question→paragraph retrieval (bi-encoder, and re-ranked by the objective's scorer when it
+    has one) and Tatoeba bitext accuracy, as flat TensorBoard tags."""
+    from clsys.retrieval import evaluate_tatoeba, evaluate_xquad, parse_articles
+
+    encoder, tokenizer, e = objective.encoder(), objective.tokenizer, cfg.eval
+    reranker = objective.reranker() if e.rerank_top else None
+    scores = {}
+    for direction in e.xling:
+        query_lang, _, doc_lang = direction.partition("-")
+        result = evaluate_xquad(encoder, tokenizer, query_lang, doc_lang, e.pooling, parse_articles(e.xling_articles),
+                                reranker, e.rerank_top, e.batch_size, cfg.data.max_length)
+        scores.update({f"xquad_{direction}_{k}": v for k, v in result.items() if k != "n"})
+    for pair in e.tatoeba:
+        scores.update({f"tatoeba_{pair}_{k}": v for k, v in evaluate_tatoeba(encoder, tokenizer, pair, e.pooling,
+                                                                               e.batch_size).items() if k != "n"})
+    return scores
+
+
 def _dev_set(cfg: Config):
     from clsys.evaluate import load_sts, resolve_sts
 
@@ -83,9 +101,7 @@ def train_worker(payload: dict) -> None:
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     engine = build_engine(objective, cfg)
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
-    loader = ShardLoader(storage.join(cfg.data.url, objective.stream(cfg)), rank, world, cfg.micro_batch,
-                         objective.collate, cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
-                         cfg.data.verify_checksums)
+    loader = objective.loader(cfg, rank, world)
     # From here on each rank draws its own dropout masks.
     torch.manual_seed(cfg.train.seed + 1 + rank)
     random.seed(cfg.train.seed + 1 + rank)
@@ -105,6 +121,7 @@ def train_worker(payload: dict) -> None:
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
             "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
+            "export_reranker_map": objective.export_reranker_map(),
             "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
 
     def hf_files(folder: str) -> None:
@@ -122,17 +139,20 @@ def train_worker(payload: dict) -> None:
 
     def evaluate(at_step: int) -> None:
         # Every rank runs the same forwards (ZeRO-3 gathers weights collectively); rank 0 logs.
+        scores = _evaluate_retrieval(objective, cfg)
         if dev_set is not None:
-            result = _evaluate_dev(objective, dev_set, cfg)
-            tb.scalars("eval", {f"{dev_set.name}_spearman": result["spearman"]}, at_step)
+            scores[f"{dev_set.name}_spearman"] = _evaluate_dev(objective, dev_set, cfg)["spearman"]
+        if scores:
+            tb.scalars("eval", scores, at_step)
             if rank == 0:
-                print(f"[clsys] step {at_step}: {dev_set.name} Spearman {result['spearman']:.2f}", flush=True)
+                shown = ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
+                print(f"[clsys] step {at_step}: {shown}", flush=True)
         if cfg.eval.heatmap_text:
             tokens, similarity = token_similarity(objective.encoder(), tokenizer, cfg.eval.heatmap_text)
             if rank == 0:
                 tb.image("analysis/token_similarity", render([Panel(f"step {at_step}", tokens, similarity)]), at_step)
 
-    evaluating = dev_set is not None or bool(cfg.eval.heatmap_text)
+    evaluating = dev_set is not None or bool(cfg.eval.heatmap_text or cfg.eval.xling or cfg.eval.tatoeba)
     if evaluating and step == 0:
         evaluate(0)
 
@@ -144,11 +164,14 @@ def train_worker(payload: dict) -> None:
             batch = next(batches)
             waited = time.perf_counter() - waited
             keys = batch.pop("keys")
-            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+            # Tensors go to the device; anything else (a task tag) passes through.
+            batch = {k: v.to(engine.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
             out = engine(batch)
             engine.backward(out.loss)
             engine.step()
-            meter.add(len(keys), batch["attention_mask"].sum(), waited)
+            tokens = sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask"))
+            meter.add(len(keys), tokens, waited)
         step += 1
 
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:

@@ -1,5 +1,6 @@
 """Objective registry: ``objective.name`` in a recipe → the class that implements it."""
 from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.clir import CLIR
 from clsys.objectives.self_guided import SelfGuided
 from clsys.objectives.simcse import SimCSE
 from clsys.objectives.tacl import TaCL
@@ -8,6 +9,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "simcse": SimCSE,
     "self_guided": SelfGuided,
     "tacl": TaCL,
+    "clir": CLIR,
 }
 
 __all__ = ["OBJECTIVES", "LossOutput", "Objective"]

@@ -30,13 +30,35 @@ class Objective(nn.Module):
         self.tokenizer = tokenizer
 
     @classmethod
-    def stream(cls, cfg: Config) -> str:
-        """The shard stream under ``data.url`` this objective reads (``sentences``, ``documents``, …)."""
+    def streams(cls, cfg: Config) -> list[str]:
+        """The shard streams under ``data.url`` this objective reads (``sentences``, ``documents``, …)."""
         raise NotImplementedError
+
+    def loader(self, cfg: Config, rank: int, world: int):
+        """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position).
+
+        One stream: a ``ShardLoader`` that collates with ``collate``. Objectives that mix streams override it.
+        """
+        from clsys import storage
+        from clsys.data.streaming import ShardLoader
+
+        (stream,) = self.streams(cfg)
+        return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
+                           cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""
         raise NotImplementedError
+
+    def export_reranker_map(self) -> dict[str, str]:
+        """For objectives that train a (query, document) relevance head: the parameter names of a
+        Hugging Face ``*ForSequenceClassification`` model (2 labels) that are not the encoder's own →
+        this objective's state-dict keys. Export then writes that model to ``<export>/reranker``."""
+        return {}
+
+    def reranker(self):
+        """A (queries, documents) → relevance scores function for retrieval evaluation, or None."""
+        return None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         raise NotImplementedError

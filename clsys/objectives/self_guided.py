@@ -139,8 +139,8 @@ class SelfGuided(Objective):
     config_class = SelfGuidedConfig
 
     @classmethod
-    def stream(cls, cfg: Config) -> str:
-        return "sentences"
+    def streams(cls, cfg: Config) -> list[str]:
+        return ["sentences"]
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)

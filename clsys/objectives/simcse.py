@@ -54,8 +54,8 @@ class SimCSE(Objective):
     config_class = SimCSEConfig
 
     @classmethod
-    def stream(cls, cfg: Config) -> str:
-        return "triplets" if cfg.objective.supervised else "sentences"
+    def streams(cls, cfg: Config) -> list[str]:
+        return ["triplets" if cfg.objective.supervised else "sentences"]
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)

@@ -97,8 +97,8 @@ class TaCL(Objective):
     config_class = TaCLConfig
 
     @classmethod
-    def stream(cls, cfg: Config) -> str:
-        return "documents"
+    def streams(cls, cfg: Config) -> list[str]:
+        return ["documents"]
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)

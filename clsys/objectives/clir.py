@@ -1,0 +1,231 @@
+"""Cross-lingual retrieval pretraining (Yu, Fei, Li, WWW 2021): QLM + RR, shared/spec/OBJECTIVES.md §4.
+
+Data: ``data_prep align`` writes one ``clir/<A>-<B>`` stream per language pair; a record is an
+aligned pair of Wikipedia sections with both sides' sentences and hard negatives. Each time a
+record is used it becomes one query/document example (§4.1): the direction is drawn with p = 0.5,
+the query is one random sentence of the query side, the document is the whole aligned section in
+the other language. Both tasks read ``[CLS] query [SEP] document [SEP]`` (token types 0 / 1, §4.2).
+
+QLM (§4.3): only query tokens are masked (each with p = 0.30, 80/10/10) and predicted with the
+document fully visible, so predicting them pulls in the other language. The MLM head comes from the
+checkpoint when it has one, else it is new with its decoder tied to the word embeddings (the
+original loaded it under the wrong name and trained a random, untied head: gotcha §4.9.1).
+
+RR (§4.4): a pointwise 2-class cross-entropy on W·dropout(pooler([CLS])) over the positive and
+``rr_negatives`` negatives per query. A negative is one of the record's hard negatives with
+probability 1 − (3/4)^|hard|, else a random section of the document language from a pool of
+recently seen sections (the streaming stand-in for the original's "random section of the sampled
+subset"). ``rr_in_batch: true`` adds the batch's other documents of the same language as
+negatives, a documented extension; the original has none.
+
+Schedule (§4.5): faithful by default, every task × language pair is its own optimizer step (QLM on
+each pair in shuffled order, then RR on each pair); ``schedule: sum`` instead adds
+λ_qlm·QLM + λ_rr·RR in one step. Pairs are drawn per round with ``pair_temperature`` (see
+``clsys.data.mixing``). BertLong models (``python -m clsys.model.long``) get their local/global
+attention mask (global = the query segment) from ``clsys.model.long.long_attention_mask``.
+"""
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clsys import storage
+from clsys.config import Config, ObjectiveConfig
+from clsys.data.masking import Masker, masked_lm_loss
+from clsys.model.encoder import POOLINGS, build_bert_pretraining
+from clsys.model.long import long_attention_mask
+from clsys.objectives.base import LossOutput, Objective
+
+TASKS = ("qlm", "rr")
+MASK_MODES = ("query", "document", "mixed")
+
+
+@dataclass
+class CLIRConfig(ObjectiveConfig):
+    pairs: list[str] = field(default_factory=lambda: ["en-de"])  # streams clir/<pair> of data_prep align
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # [qlm], [rr] are the single-task ablations
+    schedule: str = "alternate"  # alternate: one optimizer step per task × pair (faithful); sum: one step, losses added
+    pair_temperature: float = 0.0  # 0: each pair once per round, shuffled (faithful); T > 0: p ∝ pair size^(1/T)
+    qlm_weight: float = 1.0
+    rr_weight: float = 1.0
+    mask_probability: float = 0.30  # per query token, independently (§4.3)
+    mask_mode: str = "query"  # query (faithful default), document or mixed: the §4.3 ablations
+    rr_negatives: int = 1  # negatives per positive (num_neg)
+    rr_in_batch: bool = False  # extension: the batch's other same-language documents as extra negatives
+    random_pool: int = 1024  # recent sections kept per language for random negatives
+    rr_dropout: float = 0.1  # dropout before the RR classifier (BERT's hidden dropout)
+    export_pooling: str = "mean"  # bi-encoder pooling of the exported encoder
+
+
+def clir_example(record: dict, rng: random.Random) -> dict[str, Any]:
+    """One query/document example from a symmetric aligned-sections record: the direction and the
+    query sentence are drawn here, at training time."""
+    query_side, doc_side = record["sides"] if rng.random() < 0.5 else reversed(record["sides"])
+    return {"query_lang": query_side["lang"], "doc_lang": doc_side["lang"],
+            "query": rng.choice(query_side["sentences"]), "positive": " ".join(doc_side["sentences"]),
+            "hard_negatives": list(doc_side["hard_negatives"]), "pair_id": record["pair_id"]}
+
+
+def hard_negative_probability(hard: int) -> float:
+    """§4.1: easy (random) with probability (3/4)^|hard|, hard otherwise."""
+    return 1.0 - 0.75 ** hard
+
+
+def sample_negative(hard: list[str], pool: list[str], positive: str, rng: random.Random) -> str | None:
+    """A hard negative with probability 1 − (3/4)^|hard|, else a random pool section (never the
+    positive); None when neither kind is available."""
+    if hard and rng.random() < hard_negative_probability(len(hard)):
+        return rng.choice(hard)
+    candidates = [p for p in pool if p != positive]
+    if candidates:
+        return rng.choice(candidates)
+    return rng.choice(hard) if hard else None
+
+
+class CLIR(Objective):
+    config_class = CLIRConfig
+
+    @classmethod
+    def streams(cls, cfg: Config) -> list[str]:
+        return [f"clir/{pair}" for pair in cfg.objective.pairs]
+
+    def __init__(self, cfg: Config, tokenizer):
+        super().__init__(cfg, tokenizer)
+        oc: CLIRConfig = cfg.objective
+        checks = [("tasks", oc.tasks and set(oc.tasks) <= set(TASKS), f"a non-empty subset of {list(TASKS)}"),
+                  ("schedule", oc.schedule in ("alternate", "sum"), "alternate or sum"),
+                  ("mask_mode", oc.mask_mode in MASK_MODES, " or ".join(MASK_MODES)),
+                  ("export_pooling", oc.export_pooling in POOLINGS, " or ".join(POOLINGS)),
+                  ("pairs", bool(oc.pairs), "at least one language pair"),
+                  ("rr_negatives", oc.rr_negatives >= 1, ">= 1")]
+        for key, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"objective.{key}: expected {expected}")
+        self.oc = oc
+        self.model, self.mlm_head, nsp_head = build_bert_pretraining(cfg.model, tokenizer)
+        pooler = nsp_head[0]  # BERT's pretrained dense + tanh on [CLS]; its NSP classifier is not used
+        self.rr_head = nn.Sequential(pooler, nn.Dropout(oc.rr_dropout), nn.Linear(pooler.dense.out_features, 2))
+        self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, bernoulli=True)
+        self.pools: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=oc.random_pool))
+        self.latest: dict[str, torch.Tensor] = {}  # newest value of every metric, so logs show all tasks
+
+    def loader(self, cfg: Config, rank: int, world: int):
+        from clsys.data.mixing import TaskMixer
+        from clsys.data.streaming import ShardLoader
+
+        loaders = {pair: ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
+                                     cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
+                                     cfg.data.verify_checksums)
+                   for pair, stream in zip(self.oc.pairs, self.streams(cfg))}
+        return TaskMixer(loaders, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
+                         cfg.train.grad_accum, cfg.train.seed, rank)
+
+    # ---- batches (loader workers) -------------------------------------------------------------
+
+    def _pair_encoding(self, queries: list[str], documents: list[str], padding=True) -> dict[str, torch.Tensor]:
+        # longest_first trims the longer side (nearly always the document) first, as the original does.
+        return dict(self.tokenizer(queries, documents, truncation="longest_first", max_length=self.cfg.data.max_length,
+                                   padding=padding, return_tensors="pt", return_token_type_ids=True))
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rng = random.Random(random.getrandbits(64))
+        examples = [clir_example(s["json"], rng) for s in samples]
+        for e in examples:
+            self.pools[e["doc_lang"]].append(e["positive"])
+        queries, positives = [e["query"] for e in examples], [e["positive"] for e in examples]
+        batch: dict[str, torch.Tensor] = {}
+        if "qlm" in self.oc.tasks:
+            qlm = self._pair_encoding(queries, positives)
+            segment = qlm["token_type_ids"].bool()
+            eligible = {"query": ~segment, "document": segment, "mixed": torch.ones_like(segment)}[self.oc.mask_mode]
+            masked, chosen = self.masker(qlm["input_ids"], qlm["attention_mask"], eligible)
+            batch.update({f"qlm_{k}": v for k, v in qlm.items()})
+            batch.update(qlm_masked_input_ids=masked, qlm_chosen=chosen)
+        if "rr" in self.oc.tasks:
+            rr_queries, rr_docs, labels = [], [], []
+            for e in examples:
+                pool = list(self.pools[e["doc_lang"]])
+                negatives = [sample_negative(e["hard_negatives"], pool, e["positive"], rng)
+                             for _ in range(self.oc.rr_negatives)]
+                if self.oc.rr_in_batch:
+                    negatives += [o["positive"] for o in examples if o is not e and o["doc_lang"] == e["doc_lang"]]
+                negatives = [n for n in negatives if n is not None]
+                rr_queries += [e["query"]] * (1 + len(negatives))
+                rr_docs += [e["positive"], *negatives]
+                labels += [1] + [0] * len(negatives)
+            batch.update({f"rr_{k}": v for k, v in self._pair_encoding(rr_queries, rr_docs).items()})
+            batch["rr_labels"] = torch.tensor(labels)
+        return batch
+
+    # ---- losses -------------------------------------------------------------------------------
+
+    def _hidden(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
+        mask = long_attention_mask(self.model.config, input_ids, attention_mask, token_type_ids, self.model.dtype)
+        return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids).last_hidden_state
+
+    def qlm_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self._hidden(batch["qlm_masked_input_ids"], batch["qlm_attention_mask"], batch["qlm_token_type_ids"])
+        return masked_lm_loss(self.mlm_head, hidden, batch["qlm_input_ids"], batch["qlm_chosen"])
+
+    def rr_logits(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
+        return self.rr_head(self._hidden(input_ids, attention_mask, token_type_ids)).float()
+
+    def rr_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.rr_logits(batch["rr_input_ids"], batch["rr_attention_mask"], batch["rr_token_type_ids"])
+        labels = batch["rr_labels"]
+        return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+
+    def forward(self, batch: dict[str, Any]) -> LossOutput:
+        tasks, pair = batch["task"].split("+"), batch["stream"]
+        loss = 0.0
+        for task in tasks:
+            value, accuracy = self.qlm_loss(batch) if task == "qlm" else self.rr_loss(batch)
+            loss = loss + (self.oc.qlm_weight if task == "qlm" else self.oc.rr_weight) * value
+            self.latest.update({f"{task}_loss": value.detach(), f"{task}_accuracy": accuracy.detach(),
+                                f"{task}_loss_{pair}": value.detach()})
+        return LossOutput(loss, {"loss": loss.detach(), **self.latest})
+
+    # ---- inference ----------------------------------------------------------------------------
+
+    def encoder(self) -> nn.Module:
+        return self.model
+
+    def export_pooling(self) -> str:
+        return self.oc.export_pooling
+
+    def export_reranker_map(self) -> dict[str, str]:
+        """The RR head as a ``BertForSequenceClassification`` (pooler + 2-way classifier) → our keys."""
+        if "rr" not in self.oc.tasks:
+            return {}
+        names = {"pooler.dense.weight": "rr_head.0.dense.weight", "pooler.dense.bias": "rr_head.0.dense.bias",
+                 "classifier.weight": "rr_head.2.weight", "classifier.bias": "rr_head.2.bias"}
+        prefix = self.model.base_model_prefix
+        return {(k if k.startswith("classifier") else f"{prefix}.{k}"): v for k, v in names.items()}
+
+    def reranker(self):
+        """Scores (query, document) pairs with the RR head's "relevant" logit (how the original ranks)."""
+        if "rr" not in self.oc.tasks:
+            return None
+
+        @torch.no_grad()
+        def score(queries: list[str], documents: list[str]) -> torch.Tensor:
+            was_training = self.training
+            self.eval()
+            device = next(self.parameters()).device
+            out = []
+            size = self.cfg.eval.batch_size
+            for start in range(0, len(queries), size):
+                enc = self._pair_encoding(queries[start:start + size], documents[start:start + size])
+                enc = {k: v.to(device) for k, v in enc.items()}
+                out.append(self.rr_logits(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])[:, 1].cpu())
+            self.train(was_training)
+            return torch.cat(out) if out else torch.empty(0)
+
+        return score
