@@ -31,7 +31,8 @@ class DataConfig:
     max_length: int = 32  # tokens per sentence after truncation (SimCSE: 32)
     shuffle_buffer: int = 2048  # samples held per loader worker for shuffling
     loader_workers: int = 1  # DataLoader worker processes per training rank
-    verify_checksums: bool = True  # compare each shard's sha256 with the manifest while streaming
+    verify_checksums: bool = True  # compare each shard's sha256 with the manifest before using any of its samples
+    on_bad_sample: str = "error"  # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
 
 
 @dataclass
@@ -78,6 +79,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 2
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
+    log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
 
 
 @dataclass
@@ -86,6 +88,7 @@ class ClusterConfig:
     use_gpu: bool = False
     cpus_per_worker: int = 1
     max_restarts: int = 0  # worker-group restarts after a failure (Ray FailureConfig)
+    collective_timeout_s: int = 1800  # a collective waiting longer (a stuck or lost rank) fails the step
 
 
 @dataclass
@@ -138,7 +141,9 @@ class Config:
              "a tokenizer folder when model.init is scratch"),
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
+            ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
+            ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),
             ("eval.xling_articles", re.fullmatch(r"\d*:\d*", self.eval.xling_articles) is not None,
              'an article range START:STOP, quoted in YAML ("24:48")'),
         ]

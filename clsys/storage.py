@@ -4,13 +4,22 @@ Everything that reads or writes shards, manifests, checkpoints or logs goes thro
 that S3 specifics (endpoint, retries, multipart) live in one file. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
 nothing here logs them.
+
+Faults: botocore retries every request (connection reset, 500, 503 SlowDown, a response body cut
+short) up to ``ATTEMPTS`` times with backoff, uploads and multipart parts included. What it cannot
+retry is a GetObject body that breaks while the caller streams it; ``open_read`` resumes those
+with ranged GETs (``_S3Reader``). Permanent errors (missing object or bucket, access denied, bad
+credentials) are not retried and raise StorageError naming the URL.
 """
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
+import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -18,6 +27,11 @@ from typing import BinaryIO, Iterator
 
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the URL and the cause."""
+
+
+ATTEMPTS = 8  # tries per request (botocore), per download part (s3transfer), per stalled read (_S3Reader)
+BACKOFF_S = 0.05  # longest wait before the first resume of a broken read; it doubles per failure in a row
+MULTIPART_BYTES = 64 * 2**20  # uploads this big go in parts of this size
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ def _s3_client(pid: int):
     del pid
     return boto3.client(
         "s3",
-        config=Config(retries={"max_attempts": 8, "mode": "adaptive"}, connect_timeout=10, read_timeout=120),
+        config=Config(retries={"max_attempts": ATTEMPTS, "mode": "adaptive"}, connect_timeout=10, read_timeout=120),
     )
 
 
@@ -88,25 +102,105 @@ def _s3_error(url: str, err: Exception) -> StorageError:
             "SignatureDoesNotMatch": "the secret key is wrong (check your AWS credentials)",
             "AccessDenied": "access denied",
             "403": "access denied (check your AWS credentials)",
+            "PreconditionFailed": "the object was replaced while it was being read",
+            "412": "the object was replaced while it was being read",
         }
         return StorageError(f"{url}: {hints.get(code, 'S3 error')} [{code}]")
     return StorageError(f"{url}: {type(err).__name__}: {err}")
 
 
 def _s3_call(url: str, fn, *args, **kwargs):
+    from boto3.exceptions import RetriesExceededError, S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         return fn(*args, **kwargs)
     except (BotoCoreError, ClientError) as err:
         raise _s3_error(url, err) from None
+    except S3UploadFailedError as err:
+        # boto3 replaces an upload's ClientError with this one; the ClientError has the error code.
+        raise _s3_error(url, err.__context__ if isinstance(err.__context__, ClientError) else err) from None
+    except RetriesExceededError as err:  # s3transfer gave up on a download part
+        raise _s3_error(url, err.last_exception) from None
+
+
+def _backoff(failures: int) -> float:
+    """Exponential backoff with full jitter, so that readers that failed together spread out."""
+    return random.uniform(0, BACKOFF_S * 2 ** (failures - 1))
+
+
+class _S3Reader(io.IOBase):
+    """An S3 object's body that survives a broken connection: it resumes where it stopped.
+
+    botocore retries a request until a response arrives, but a body that breaks while the caller
+    reads it (reset, read timeout, fewer bytes than Content-Length) is past its reach. Then we ask
+    for the rest with ``Range: bytes=<offset>-`` and ``If-Match: <ETag>`` (a replaced object is an
+    error, never a splice of two objects), after a backoff. ``ATTEMPTS`` failures in a row without
+    a byte of progress give up.
+    """
+
+    def __init__(self, url: str, loc: Location):
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+        from urllib3.exceptions import ProtocolError
+
+        self.url, self.loc = url, loc
+        self.stream_errors = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ProtocolError, OSError)
+        resp = _s3_call(url, s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
+        self.body, self.etag, self.size = resp["Body"], resp["ETag"], resp["ContentLength"]
+        self.offset, self.failures = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        """``size`` bytes (all that is left if negative), fewer only at the end of the object."""
+        parts, got = [], 0
+        while size is None or size < 0 or got < size:
+            want = 1 << 20 if size is None or size < 0 else min(size - got, 1 << 20)
+            try:
+                # Bounded reads, so that a failure loses at most the chunk being read. Reading on
+                # to b"" lets botocore check Content-Length (and the checksum, on a whole object).
+                chunk = self.body.read(want)
+            except self.stream_errors as err:
+                self._resume(err)
+                continue
+            if not chunk:
+                if self.offset >= self.size:
+                    break
+                self._resume(EOFError(f"body ended at byte {self.offset} of {self.size}"))
+                continue
+            parts.append(chunk)
+            got += len(chunk)
+            self.offset += len(chunk)
+            self.failures = 0
+        return b"".join(parts)
+
+    def _resume(self, err: Exception) -> None:
+        self.failures += 1
+        if self.failures >= ATTEMPTS:
+            raise StorageError(f"{self.url}: reading failed {ATTEMPTS} times in a row at byte {self.offset} of "
+                               f"{self.size}; last error: {type(err).__name__}: {err}") from None
+        time.sleep(_backoff(self.failures))
+        self.body.close()
+        resp = _s3_call(self.url, s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
+                        Range=f"bytes={self.offset}-", IfMatch=self.etag)
+        # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
+        if not resp.get("ContentRange", "").startswith(f"bytes {self.offset}-"):
+            raise StorageError(f"{self.url}: the server ignored a ranged GET from byte {self.offset}")
+        self.body = resp["Body"]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.body.close()
+        super().close()
 
 
 def open_read(url: str) -> BinaryIO:
-    """A binary stream over the object; S3 objects are streamed, not downloaded first."""
+    """A binary stream over the object; S3 objects are streamed, not downloaded first, and a
+    connection that breaks mid-object is resumed from where it stopped."""
     loc = parse(url)
     if loc.scheme == "s3":
-        return _s3_call(url, s3_client().get_object, Bucket=loc.bucket, Key=loc.path)["Body"]
+        return _S3Reader(url, loc)
     try:
         return open(loc.path, "rb")
     except OSError as err:
@@ -130,7 +224,7 @@ def exists(url: str) -> bool:
     loc = parse(url)
     if loc.scheme == "file":
         return os.path.exists(loc.path)
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         s3_client().head_object(Bucket=loc.bucket, Key=loc.path)
@@ -138,6 +232,8 @@ def exists(url: str) -> bool:
     except ClientError as err:
         if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
             return False
+        raise _s3_error(url, err) from None
+    except BotoCoreError as err:  # botocore's retries are spent
         raise _s3_error(url, err) from None
 
 
@@ -166,7 +262,7 @@ def upload_file(local_path: str, url: str) -> None:
     if loc.scheme == "s3":
         from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(multipart_threshold=64 * 2**20, multipart_chunksize=64 * 2**20)
+        cfg = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
         _s3_call(url, s3_client().upload_file, local_path, loc.bucket, loc.path, Config=cfg)
         return
     os.makedirs(os.path.dirname(loc.path), exist_ok=True)
@@ -179,7 +275,11 @@ def download_file(url: str, local_path: str) -> None:
     loc = parse(url)
     os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
     if loc.scheme == "s3":
-        _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path)
+        from boto3.s3.transfer import TransferConfig
+
+        # s3transfer restarts a download part whose body breaks (botocore does not), ATTEMPTS times.
+        cfg = TransferConfig(num_download_attempts=ATTEMPTS)
+        _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path, Config=cfg)
     else:
         shutil.copyfile(loc.path, local_path)
 

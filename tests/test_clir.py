@@ -190,7 +190,7 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
         loaders = {name: ShardLoader(url, 0, 1, 2, lambda s: {"ids": [x["json"]["pair_id"] for x in s]}, 7,
                                      shuffle_buffer=4)
                    for name, url in streams.items()}
-        return TaskMixer(loaders, list(tasks), alternate, temperature, micro_steps=2, seed=7, rank=0)
+        return TaskMixer(loaders, list(tasks), alternate, temperature, micro_steps=2, seed=7)
 
     round0 = mixer().schedule(0)
     assert [t for t, _ in round0] == ["qlm"] * 4 + ["rr"] * 4

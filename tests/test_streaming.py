@@ -1,11 +1,17 @@
-"""The shard loader: partitioning over ranks and loader workers, equal batch counts, resume, safety."""
+"""The shard loader: partitioning over ranks and loader workers, equal batch counts, exact and elastic
+resume, safety. Bad data has its own file (test_streaming_faults.py)."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import io
+import json
+import random
 import tarfile
 
 import pytest
+import torch
 
 from clsys import storage
 from clsys.data.streaming import ShardError, ShardLoader, load_shards, plan_epoch, read_shard, round_robin_position
@@ -45,6 +51,44 @@ def take(loader, n):
     return [next(it)["keys"] for _ in range(n)]
 
 
+class NoisyCollate:
+    """Draws from the global RNGs and keeps state across batches, as TaCL's and CLIR's collates do."""
+
+    def __init__(self):
+        self.seen, self.pool = 0, collections.deque(maxlen=5)
+
+    def __call__(self, samples):
+        self.seen += len(samples)
+        self.pool.extend(s["__key__"] for s in samples)
+        return {"noise": torch.rand(4), "coin": random.random(), "seen": self.seen,
+                "negative": random.choice(list(self.pool))}
+
+
+def same_batches(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
+                                     for k in x)
+        for x, y in zip(a, b))
+
+
+def consume(loader, n):
+    """n batches from a fresh iterator, and the loader's state after each."""
+    it, batches, states = iter(loader), [], []
+    for _ in range(n):
+        batches.append(next(it))
+        states.append(loader.state_dict())
+    return batches, states
+
+
+def rest_of_epoch(loader) -> tuple[list[str], list[str]]:
+    """The keys of the batches the loader yields until its epoch changes, and of the next epoch's first."""
+    epoch, keys = loader.state_dict()["epoch"], []
+    for batch in loader:
+        if loader.state_dict()["epoch"] != epoch:
+            return keys, batch["keys"]
+        keys += batch["keys"]
+
+
 SIZES = [37, 52, 41, 29, 60, 33, 45, 50]
 
 
@@ -57,7 +101,13 @@ def test_ranks_and_workers_partition_an_epoch_with_equal_batch_counts(tmp_path):
     for rank in range(ranks):
         loader = ShardLoader(url, rank, ranks, micro, collate, seed=7, loader_workers=2, shuffle_buffer=16)
         batches = take(loader, plan.batches_per_rank)
-        assert loader.state_dict() == {"epoch": 0, "batches": plan.batches_per_rank}
+        state = loader.state_dict()
+        assert (state["epoch"], state["segments"]) == (0, [{"ranks": 2, "workers": 2, "micro_batch": 4,
+                                                            "batches": plan.batches_per_rank}])
+        # Checkpoints keep it with torch.save and read it back with weights_only=True.
+        saved = io.BytesIO()
+        torch.save(state, saved)
+        assert torch.load(io.BytesIO(saved.getvalue()), weights_only=True) == json.loads(json.dumps(state)) == state
         assert all(len(b) == micro for b in batches)
         seen += [k for b in batches for k in b]
     assert len(seen) == len(set(seen)), "a sample was read by two ranks"
@@ -66,16 +116,113 @@ def test_ranks_and_workers_partition_an_epoch_with_equal_batch_counts(tmp_path):
     assert plan.batches_per_rank == min(sum(plan.worker_batches(r)) for r in range(ranks))
 
 
-def test_resume_mid_epoch_continues_exactly(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_resume_replays_the_same_batches_and_collate_randomness(tmp_path, workers):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    per_epoch = plan_epoch(load_shards(url), 0, 3, 2, workers, 3).batches_per_rank
+    total = per_epoch + 6  # into epoch 1
+    for rank in range(2):
+        args = dict(rank=rank, ranks=2, micro_batch=3, seed=3, loader_workers=workers, shuffle_buffer=8)
+        straight, states = consume(ShardLoader(url, collate=NoisyCollate(), **args), total)
+        # Mid-shard (and not at the DataLoader's first worker), mid-epoch, at the end of the epoch, in the next one.
+        for k in (5, per_epoch // 2 + 1, per_epoch, per_epoch + 3):
+            resumed = ShardLoader(url, collate=NoisyCollate(), **args)
+            resumed.load_state_dict(states[k - 1])
+            torch.manual_seed(k)  # a resumed training process's RNG is anywhere
+            assert same_batches(consume(resumed, total - k)[0], straight[k:]), (rank, k)
+
+
+def test_the_loader_leaves_the_training_process_rngs_alone(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    torch.manual_seed(0)
+    random.seed(0)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    take(ShardLoader(url, 0, 1, 4, NoisyCollate(), seed=0, loader_workers=2, shuffle_buffer=8), 5)
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
+
+
+def test_a_rank_resumes_only_its_own_state(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    first = ShardLoader(url, 0, 2, 3, collate, seed=0, loader_workers=2, shuffle_buffer=8)
+    take(first, 3)
+    with pytest.raises(ValueError, match="state of rank 0 cannot resume rank 1"):
+        ShardLoader(url, 1, 2, 3, collate, seed=0, loader_workers=2).load_state_dict(first.state_dict())
+
+
+def test_a_position_saved_before_geometries_were_recorded_resumes(tmp_path):
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, SIZES)
     args = dict(rank=1, ranks=2, micro_batch=3, collate=collate, seed=3, loader_workers=2, shuffle_buffer=8)
-    straight = take(ShardLoader(url, **args), 40)  # crosses into epoch 1
-    first = ShardLoader(url, **args)
-    head = take(first, 13)
+    straight = take(ShardLoader(url, **args), 12)
     resumed = ShardLoader(url, **args)
-    resumed.load_state_dict(first.state_dict())
-    assert head + take(resumed, 27) == straight
+    resumed.load_state_dict({"epoch": 0, "batches": 7})
+    assert take(resumed, 5) == straight[7:]
+
+
+GLOBAL_BATCH = 12
+
+
+def geometry_run(url, ranks, workers, state, batches):
+    """Every rank of a geometry resumes from ``state`` (None: fresh) and reads ``batches`` batches (None:
+    to the end of the epoch). Returns the keys read, rank 0's loader and (to the end) the keys of rank
+    0's first batch of the next epoch."""
+    keys = []
+    for rank in reversed(range(ranks)):
+        loader = ShardLoader(url, rank, ranks, GLOBAL_BATCH // ranks, collate, seed=5, loader_workers=workers,
+                             shuffle_buffer=8)
+        if state is not None:
+            loader.load_state_dict(state)
+        if batches is None:
+            read, following = rest_of_epoch(loader)
+        else:
+            read, following = [k for b in take(loader, batches) for k in b], None
+        keys += read
+    return keys, loader, following
+
+
+@pytest.mark.parametrize("old_ranks,new_ranks", [(2, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_with_other_ranks_continues_the_epoch(tmp_path, old_ranks, new_ranks, workers):
+    url = f"file://{tmp_path}/stream"
+    every_key = write_stream(url, tmp_path, SIZES)
+    per_epoch = plan_epoch(load_shards(url), 0, 5, old_ranks, workers, GLOBAL_BATCH // old_ranks).batches_per_rank
+    before, old, _ = geometry_run(url, old_ranks, workers, None, per_epoch // 2)
+    # Every new rank gets rank 0's state, as clsys.engine.checkpoint hands it out.
+    after, new, next_batch = geometry_run(url, new_ranks, workers, old.state_dict(), None)
+    assert len(before + after) == len(set(before + after)), "a sample was read twice in the epoch"
+    # Of what the old ranks left, only what fills no batch of every new rank goes unread.
+    assert len(set(every_key) - set(before) - set(after)) < new_ranks * (GLOBAL_BATCH // new_ranks)
+
+    # The next epoch is the new geometry's own plan.
+    fresh = ShardLoader(url, 0, new_ranks, GLOBAL_BATCH // new_ranks, collate, seed=5, loader_workers=workers,
+                        shuffle_buffer=8)
+    fresh.load_state_dict({**fresh.state_dict(), "epoch": 1})
+    assert [next_batch] + take(new, 3) == take(fresh, 4)
+
+
+def test_an_elastic_state_resumes_exactly_and_elastically_again(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    every_key = write_stream(url, tmp_path, SIZES)
+    first, two, _ = geometry_run(url, 2, 2, None, 5)
+    second, three, _ = geometry_run(url, 3, 2, two.state_dict(), 4)
+
+    # Exactly: a rank of the second geometry stopped mid-way and resumed replays the same batches.
+    args = dict(rank=1, ranks=3, micro_batch=4, seed=5, loader_workers=2, shuffle_buffer=8)
+    straight = ShardLoader(url, collate=NoisyCollate(), **args)
+    straight.load_state_dict(two.state_dict())
+    batches, states = consume(straight, 9)
+    resumed = ShardLoader(url, collate=NoisyCollate(), **args)
+    resumed.load_state_dict(states[3])
+    assert same_batches(consume(resumed, 5)[0], batches[4:])
+
+    # Elastically again, within the same epoch: 2 ranks → 3 → 1.
+    third, _, _ = geometry_run(url, 1, 2, three.state_dict(), None)
+    read = first + second + third
+    assert len(read) == len(set(read))
+    assert len(set(every_key) - set(read)) < GLOBAL_BATCH
 
 
 def test_epochs_reshuffle(tmp_path):
@@ -105,7 +252,7 @@ def test_checksum_mismatch_and_pickles_are_refused(tmp_path):
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, [5])
     shard = load_shards(url)[0]
-    bad = type(shard)(shard.url, shard.samples, "0" * 64)
+    bad = dataclasses.replace(shard, sha256="0" * 64)
     with pytest.raises(ShardError, match="sha256"):
         list(read_shard(bad))
 

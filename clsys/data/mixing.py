@@ -15,7 +15,9 @@ So with tasks [qlm, rr] and streams [en-de, en-es], one round is 4 optimizer ste
 pair, then RR on each pair, as the original's "iteration".
 
 Position: each stream's ``ShardLoader`` position plus (round, index within the round). A round's
-draw is seeded with (seed, rank, round), so a resumed run replays the same schedule.
+draw is seeded with (seed, round), the same on every rank: all ranks step through the same stream
+at the same time, so every stream's position is the same on all ranks (which an elastic resume
+relies on), and a resumed run replays the same schedule.
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ from clsys.data.streaming import ShardLoader
 
 class TaskMixer:
     def __init__(self, loaders: dict[str, ShardLoader], tasks: list[str], alternate: bool, temperature: float,
-                 micro_steps: int, seed: int, rank: int):
+                 micro_steps: int, seed: int):
         if temperature < 0:
             raise ValueError(f"stream temperature must be >= 0, got {temperature}")
         self.loaders, self.tasks, self.alternate = loaders, tasks, alternate
-        self.temperature, self.micro_steps, self.seed, self.rank = temperature, micro_steps, seed, rank
+        self.temperature, self.micro_steps, self.seed = temperature, micro_steps, seed
         self.round, self.position = 0, 0  # position: batches yielded so far in the current round
 
     def weights(self) -> dict[str, float]:
@@ -43,7 +45,7 @@ class TaskMixer:
 
     def schedule(self, round_index: int) -> list[tuple[str, str]]:
         """The (task, stream) of every batch of one round."""
-        rng = random.Random(f"{self.seed}/{self.rank}/{round_index}")
+        rng = random.Random(f"{self.seed}/{round_index}")
         names = sorted(self.loaders)
         if self.temperature == 0:
             rng.shuffle(names)

@@ -1,46 +1,96 @@
-"""Streaming WebDataset shards (file:// or s3://) into per-rank batches, deterministically.
+"""Streaming WebDataset shards (file:// or s3://) into per-rank batches, deterministically and resumably.
 
 How an epoch is laid out (every rank computes the same plan from the manifest, no communication):
   1. the shard list is shuffled with ``seed + epoch``;
   2. shard i goes to slot i mod (ranks × loader_workers); slot s is loader worker s // ranks of rank
      s mod ranks, so each rank gets whole shards and no shard is read twice;
-  3. each loader worker streams its shards, shuffles samples in a seeded buffer and cuts them
-     into micro-batches (a trailing partial batch is dropped);
+  3. each loader worker reads its shards as one sample *stream*: samples shuffled in a buffer seeded
+     with (seed, epoch, rank, worker), cut into micro-batches (a trailing partial batch is dropped);
   4. every rank stops after the same number of batches: the minimum over ranks of what its
      workers can produce. Equal counts are what keeps collectives from hanging at epoch end.
 
-Position: ``LoaderState(epoch, batches)``. ``DataLoader`` takes batches from its workers in
-round-robin order, so the number of batches each worker has produced after ``batches`` is
-computable; a resumed worker replays its shuffle without collating the skipped batches, and the
-workers are rotated so that the DataLoader's first worker is the one whose turn it was.
+Reading a shard: it is read whole into memory (one shard per loader worker at a time, 64 MiB with
+data_prep's default shard size, plus the decoded samples of the shuffle buffer); its size and sha256
+are compared with the manifest and its tar structure is parsed before any sample is yielded, so no
+sample of a bad shard is ever used. Only ``txt`` and ``json`` members are decoded: a shard with any
+other member (a pickle, say) is bad, and nothing is ever unpickled. ``on_bad_sample`` says what bad
+data does:
+  - ``error`` (default): a ShardError naming the shard URL, the member or sample and the reason
+    stops the run;
+  - ``skip``: a bad shard is left out whole (reasons ``checksum``, ``truncated``, ``corrupt``,
+    ``unsafe``; counted per shard), a bad sample alone (``undecodable``, ``missing_fields``; counted
+    per sample). A worker that lost data yields fewer batches and a rank ends its epoch when its
+    workers run dry, so no rank ever waits for a batch; ranks can then drift apart by a few batches
+    at epoch boundaries (with ``error`` the counts are exact). A rank that gets no batch in a whole
+    epoch is an error.
+A shard that storage cannot read at all (``StorageError``, after its retries) stops the run either way.
+Every batch carries ``batch["data_skipped"]``: {reason: count}, plain ints, what its loader worker
+skipped since that worker's previous batch (always empty with ``error``); the training loop pops it
+and logs ``data/skipped_<reason>``. Faults a worker finds after its last batch of an epoch go unreported.
 
-Only ``txt`` and ``json`` members are decoded; anything else (a pickle, say) is refused.
+Position (``LoaderState``, plain ints, lists and dicts, stored in checkpoints): the epoch; its
+*segments*, one per geometry (ranks, loader workers, micro-batch) the epoch was read under, each with
+the batches every rank consumed in it; the shuffle buffer of the epoch's streams; and, for this rank
+in the current segment, the batches each loader worker handed out and whose turn is next
+(``DataLoader`` takes batches from its workers round-robin).
+
+Exact resume (same geometry): each worker replays its stream and skips the batches it had handed
+out, and the workers are rotated so that the DataLoader's first worker is the one whose turn it was.
+Before collating batch k a loader worker seeds Python's ``random``, torch's global RNG and numpy's
+(when imported) from (seed, epoch, segment, rank, worker, k), so collate functions may draw from the
+global RNGs (masks, negatives, directions) and a resumed run draws exactly the same. Collate may
+keep state (CLIR's pool of recent documents), so skipped batches are collated too and dropped: a
+resume tokenizes the skipped part of the epoch once. The DataLoader gets its own generator, so
+starting one never draws from the training process's RNG (dropout masks).
+
+Elastic resume (a state saved under another geometry): the same epoch continues. A stream of the
+epoch's first geometry is a fixed sample sequence, and the saved position says how much of each was
+consumed (``round_robin_position`` over the batches every rank consumed). What is left of every
+stream, tails the equal-count rule would have dropped included, is concatenated in (rank, worker)
+order, N samples, and cut into B = ⌊N / (ranks × micro_batch)⌋ batches per new rank, dealt to its
+workers as evenly as possible in contiguous spans (a worker replays a stream's shuffle to reach its
+span). So no sample consumed before the checkpoint is read again in the epoch, and of the N only
+N − B × ranks × micro_batch < ranks × micro_batch go unread; those stay in the state, so a further
+change of geometry within the epoch deals them too. Later epochs use the new geometry's plan.
+Every new rank may be given any old rank's state: in ``error`` mode they agree on all the elastic
+resume reads. With ``skip`` it assumes that every old worker yielded its planned batches, so after
+data was skipped in that epoch a few samples may be read twice or not at all.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
+import itertools
 import json
 import random
-from dataclasses import asdict, dataclass
+import sys
+import tarfile
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from clsys import storage
 
 SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b)}
+FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has
+ON_BAD_SAMPLE = ("error", "skip")
+_WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
 
 
 class ShardError(RuntimeError):
-    """A shard that cannot be trusted: checksum mismatch, unsafe member, unreadable tar."""
+    """Bad data: a shard or sample that cannot be trusted; the message names the shard, the member or
+    sample, and the reason."""
 
 
-@dataclass
-class LoaderState:
-    epoch: int = 0
-    batches: int = 0  # batches this rank has consumed in ``epoch``
+class _Fault(Exception):
+    """Bad data found in a shard; ``reason`` is what ``data_skipped`` counts it under."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -48,54 +98,108 @@ class Shard:
     url: str
     samples: int
     sha256: str
+    size: int = 0  # bytes, as the manifest lists them (0: not listed)
 
 
 def load_shards(stream_url: str) -> list[Shard]:
     from data_prep.shards import read_manifest
 
     manifest = read_manifest(stream_url)
-    return [Shard(storage.join(stream_url, s["name"]), int(s["samples"]), s["sha256"]) for s in manifest["shards"]]
+    return [Shard(storage.join(stream_url, s["name"]), int(s["samples"]), s["sha256"], int(s.get("bytes", 0)))
+            for s in manifest["shards"]]
 
 
-class _HashingReader:
-    """A read-through wrapper that hashes every byte the tar parser consumes."""
-
-    def __init__(self, raw):
-        self.raw, self.digest = raw, hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n) if n is not None and n >= 0 else self.raw.read()
-        self.digest.update(data)
-        return data
-
-    def drain(self) -> str:
-        while self.read(1 << 20):
-            pass
-        return self.digest.hexdigest()
-
-
-def read_shard(shard: Shard, verify: bool = True) -> Iterator[dict[str, Any]]:
-    """Decoded samples of one shard; raises ShardError naming the shard when it cannot be trusted."""
-    raw = storage.open_read(shard.url)
-    reader = _HashingReader(raw)
+def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
+    """(name, offset, size) of every member of a tar held in memory."""
+    members: list[tuple[str, int, int]] = []
     try:
-        members = ({**member, "__url__": shard.url} for member in tar_file_iterator(reader))
-        for sample in group_by_keys(members):
-            decoded = {"__key__": sample["__key__"]}
-            for ext, value in sample.items():
-                if ext.startswith("__"):
-                    continue
-                if ext not in SAFE_EXTENSIONS:
-                    raise ShardError(f"{shard.url}: sample {sample['__key__']} has a '.{ext}' member; "
-                                     f"only {', '.join(SAFE_EXTENSIONS)} are decoded (never pickles)")
-                decoded[ext] = SAFE_EXTENSIONS[ext](value)
-            yield decoded
-        if verify and (got := reader.drain()) != shard.sha256:
-            raise ShardError(f"{shard.url}: sha256 {got} does not match the manifest ({shard.sha256})")
-    except (OSError, ValueError, KeyError) as err:
-        raise ShardError(f"{shard.url}: unreadable shard ({type(err).__name__}: {err})") from None
-    finally:
-        raw.close()
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    raise _Fault("corrupt", f"member {info.name} is not a regular file")
+                if info.offset_data + info.size > len(data):
+                    raise _Fault("truncated", f"member {info.name}: the shard ends inside it")
+                members.append((info.name, info.offset_data, info.size))
+            end = tar.offset
+    except tarfile.TarError as err:
+        raise _Fault("corrupt", f"unreadable tar ({err})") from None
+    # tarfile stops quietly at a header it cannot parse (a bad checksum, a cut), so check that only
+    # the zero blocks of the end-of-archive marker follow the last member.
+    if data[end:].strip(b"\0"):
+        after = f"after member {members[-1][0]}" if members else "at the start"
+        reason = "truncated" if len(data) - end < tarfile.BLOCKSIZE else "corrupt"
+        raise _Fault(reason, f"unreadable tar header at byte {end} ({after})")
+    return members
+
+
+def _check_shard(shard: Shard, data: bytes, verify: bool) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """The samples of a shard as (key, {extension: (offset, size)}), once the whole shard is known good."""
+    if shard.size and len(data) != shard.size:
+        reason = "truncated" if len(data) < shard.size else "corrupt"
+        raise _Fault(reason, f"{len(data)} bytes, the manifest says {shard.size}")
+    if verify and (got := hashlib.sha256(data).hexdigest()) != shard.sha256:
+        raise _Fault("checksum", f"sha256 {got} does not match the manifest ({shard.sha256})")
+    samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    for name, offset, size in _tar_members(data):
+        # WebDataset's convention: the key is the path up to the first dot of the file name, and
+        # consecutive members with the same key make one sample.
+        folder, slash, base = name.rpartition("/")
+        stem, dot, ext = base.partition(".")
+        key = folder + slash + stem
+        if not dot:
+            raise _Fault("corrupt", f"member {name} has no extension")
+        if ext not in SAFE_EXTENSIONS:
+            raise _Fault("unsafe", f"sample {key} has a '.{ext}' member; only {', '.join(SAFE_EXTENSIONS)} "
+                                   f"are decoded (never pickles)")
+        if not samples or samples[-1][0] != key:
+            samples.append((key, {}))
+        if ext in samples[-1][1]:
+            raise _Fault("corrupt", f"member {name} appears twice in its sample")
+        samples[-1][1][ext] = (offset, size)
+    if len(samples) != shard.samples:
+        raise _Fault("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
+    return samples
+
+
+def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes) -> dict[str, Any]:
+    missing = [f".{f}" for f in FIELDS if f not in members]
+    if missing:
+        raise _Fault("missing_fields", f"sample {key} has no {', '.join(missing)} member")
+    decoded = {"__key__": key}
+    for ext, (offset, size) in members.items():
+        try:
+            decoded[ext] = SAFE_EXTENSIONS[ext](data[offset:offset + size])
+        except ValueError as err:  # UnicodeDecodeError and JSONDecodeError both are
+            raise _Fault("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
+    return decoded
+
+
+def read_shard(shard: Shard, verify: bool = True,
+               skipped: collections.Counter | None = None) -> Iterator[dict[str, Any]]:
+    """Decoded samples of one shard, read whole and checked before the first one is yielded.
+
+    Bad data raises ShardError naming the shard, the member or sample and the reason; given a
+    ``skipped`` counter, it is counted by reason instead and left out: a bad shard whole, a bad
+    sample alone.
+    """
+    def bad(fault: _Fault) -> None:
+        if skipped is None:
+            raise ShardError(f"{shard.url}: {fault}")
+        skipped[fault.reason] += 1
+
+    data = storage.read_bytes(shard.url)
+    try:
+        samples = _check_shard(shard, data, verify)
+    except _Fault as fault:
+        bad(fault)
+        return
+    for key, members in samples:
+        try:
+            sample = _decode(key, members, data)
+        except _Fault as fault:
+            bad(fault)
+            continue
+        yield sample
 
 
 @dataclass(frozen=True)
@@ -140,20 +244,141 @@ def round_robin_position(worker_batches: list[int], consumed: int) -> tuple[list
     return produced, turn
 
 
+@dataclass
+class Segment:
+    """A stretch of an epoch read under one geometry."""
+
+    ranks: int
+    workers: int  # loader workers per rank
+    micro_batch: int
+    batches: int = 0  # batches every rank consumed in it
+
+    def geometry(self) -> tuple[int, int, int]:
+        return self.ranks, self.workers, self.micro_batch
+
+
+@dataclass
+class LoaderState:
+    """Where one rank stands; ``asdict`` of it is plain ints and lists, as checkpoints store it."""
+
+    epoch: int
+    shuffle_buffer: int  # the epoch's streams are shuffled with it, whatever the loader is given later
+    segments: list[Segment]  # the epoch so far, one per geometry; the last one is being read
+    rank: int
+    produced: list[int]  # batches each loader worker of this rank handed out in the last segment
+    next_worker: int = 0  # whose turn it is
+
+    @classmethod
+    def from_dict(cls, state: dict) -> LoaderState:
+        return cls(**{**state, "segments": [Segment(**s) for s in state["segments"]]})
+
+
+@dataclass(frozen=True)
+class Span:
+    """Samples [start, stop) of the stream of (rank, worker) in the epoch's first geometry."""
+
+    rank: int
+    worker: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one loader worker reads in a segment: spans of streams, cut into ``batches`` batches
+    (samples beyond them are left for a later change of geometry)."""
+
+    spans: list[Span]
+    batches: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    plan: EpochPlan  # the epoch's first geometry: the shards of every stream
+    pieces: list[list[Piece]]  # [rank][worker] in the current geometry
+
+    @property
+    def batches_per_rank(self) -> int:
+        return min(sum(p.batches for p in row) for row in self.pieces)
+
+
+def _split(spans: list[Span], n: int) -> tuple[list[Span], list[Span]]:
+    """The first ``n`` samples of a list of spans, and the rest."""
+    head, rest = [], list(spans)
+    while n > 0 and rest:
+        span = rest.pop(0)
+        cut = min(span.stop, span.start + n)
+        head.append(replace(span, stop=cut))
+        if cut < span.stop:
+            rest.insert(0, replace(span, start=cut))
+        n -= cut - span.start
+    return head, rest
+
+
+def _remap(pieces: list[list[Piece]], old: Segment, new: Segment) -> list[list[Piece]]:
+    """Deal what the ranks of ``old`` left unread, after ``old.batches`` batches each, to the ranks and
+    workers of ``new``: equal batch counts per rank, contiguous spans per worker."""
+    rest: list[Span] = []
+    for row in pieces:
+        produced, _ = round_robin_position([p.batches for p in row], old.batches)
+        for piece, n in zip(row, produced):
+            rest += _split(piece.spans, n * old.micro_batch)[1]
+    per_rank = sum(s.stop - s.start for s in rest) // new.micro_batch // new.ranks
+    remapped = []
+    for _ in range(new.ranks):
+        row = []
+        for worker in range(new.workers):
+            batches = per_rank // new.workers + (worker < per_rank % new.workers)
+            spans, rest = _split(rest, batches * new.micro_batch)
+            row.append(Piece(spans, batches))
+        remapped.append(row)
+    # Fewer than ranks × micro_batch samples fit no batch: the last worker keeps them unread, so that
+    # another change of geometry in this epoch deals them again.
+    last = remapped[-1][-1]
+    remapped[-1][-1] = Piece(last.spans + rest, last.batches)
+    return remapped
+
+
+def epoch_layout(shards: list[Shard], epoch: int, seed: int, segments: list[Segment]) -> Layout:
+    """What each (rank, loader worker) reads in the last segment of an epoch: the first geometry's
+    plan, remapped at each change of geometry."""
+    first = segments[0]
+    plan = plan_epoch(shards, epoch, seed, first.ranks, first.workers, first.micro_batch)
+    pieces = [[Piece([Span(r, w, 0, sum(s.samples for s in plan.shards[r][w]))], n)
+               for w, n in enumerate(plan.worker_batches(r))] for r in range(first.ranks)]
+    for old, new in zip(segments, segments[1:]):
+        pieces = _remap(pieces, old, new)
+    return Layout(plan, pieces)
+
+
+def seed_global_rngs(seed: int, epoch: int, segment: int, rank: int, worker: int, batch: int) -> None:
+    """Seed this loader worker's global RNGs for one batch, so collate's draws replay on resume."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{segment}/{rank}/{worker}/{batch}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little")
+    random.seed(value)
+    torch.manual_seed(value)
+    if (numpy := sys.modules.get("numpy")) is not None:
+        numpy.random.seed(value % 2**32)
+
+
 class RankStream(IterableDataset):
-    """The batches of one rank in one epoch; each DataLoader worker reads its own shards."""
+    """The batches of one rank in the current segment of an epoch; each DataLoader worker reads its
+    own piece."""
 
-    def __init__(self, plan: EpochPlan, rank: int, epoch: int, seed: int, shuffle_buffer: int,
-                 collate: Callable[[list[dict]], dict], skip: list[int], rotation: int, verify: bool):
-        self.plan, self.rank, self.epoch, self.seed = plan, rank, epoch, seed
-        self.shuffle_buffer, self.collate, self.verify = shuffle_buffer, collate, verify
-        self.skip, self.rotation = skip, rotation
+    def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
+                 collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str):
+        self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
+        self.verify, self.on_bad_sample = verify, on_bad_sample
+        # A copy of the position: the training process goes on changing its own.
+        self.epoch, self.segment, self.rank = state.epoch, len(state.segments) - 1, state.rank
+        self.shuffle_buffer, self.skip, self.rotation = state.shuffle_buffer, list(state.produced), state.next_worker
 
-    def _samples(self, worker: int) -> Iterator[dict]:
-        rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}")
+    def _stream(self, rank: int, worker: int, skipped: collections.Counter) -> Iterator[dict]:
+        """The samples of the stream of (rank, worker): its shards through the seeded shuffle buffer."""
+        rng = random.Random(f"{self.seed}/{self.epoch}/{rank}/{worker}")
         buffer: list[dict] = []
-        for shard in self.plan.shards[self.rank][worker]:
-            for sample in read_shard(shard, self.verify):
+        for shard in self.layout.plan.shards[rank][worker]:
+            for sample in read_shard(shard, self.verify, skipped if self.on_bad_sample == "skip" else None):
                 if len(buffer) < self.shuffle_buffer:
                     buffer.append(sample)
                     continue
@@ -163,25 +388,39 @@ class RankStream(IterableDataset):
         rng.shuffle(buffer)
         yield from buffer
 
+    def _samples(self, piece: Piece, skipped: collections.Counter) -> Iterator[dict]:
+        for span in piece.spans:
+            stream = self._stream(span.rank, span.worker, skipped)
+            # The samples before the span were consumed earlier in the epoch, under another geometry,
+            # and the faults found reaching them were reported then.
+            reported = collections.Counter(skipped)
+            collections.deque(itertools.islice(stream, span.start), maxlen=0)
+            skipped.clear()
+            skipped.update(reported)
+            yield from itertools.islice(stream, span.stop - span.start)
+
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        workers = len(self.skip)
-        worker = ((info.id if info is not None else 0) + self.rotation) % workers
-        micro = self.plan.micro_batch
-        limit = self.plan.worker_batches(self.rank)[worker]
+        worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
+        piece, skip = self.layout.pieces[self.rank][worker], self.skip[worker]
+        if skip >= piece.batches:
+            return  # nothing left to hand out, so nothing to replay
+        skipped: collections.Counter = collections.Counter()
         batch: list[dict] = []
-        produced = 0
-        for sample in self._samples(worker):
+        made = 0
+        for sample in self._samples(piece, skipped):
             batch.append(sample)
-            if len(batch) < micro:
+            if len(batch) < self.micro_batch:
                 continue
-            if produced >= self.skip[worker]:
-                out = self.collate(batch)
-                out["keys"] = [s["__key__"] for s in batch]
+            seed_global_rngs(self.seed, self.epoch, self.segment, self.rank, worker, made)
+            out = self.collate(batch)  # skipped batches too: collate may keep state
+            if made >= skip:
+                out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), _WORKER: worker})
                 yield out
-            produced += 1
+            skipped.clear()  # a skipped batch's faults were reported before the checkpoint
+            made += 1
             batch = []
-            if produced >= limit:
+            if made >= piece.batches:
                 return
 
 
@@ -189,30 +428,86 @@ class ShardLoader:
     """Batches for this rank across epochs, with a position that checkpoints can save and restore."""
 
     def __init__(self, stream_url: str, rank: int, ranks: int, micro_batch: int, collate: Callable,
-                 seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True):
+                 seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
+                 on_bad_sample: str = "error"):
+        if on_bad_sample not in ON_BAD_SAMPLE:
+            raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         self.shards = load_shards(stream_url)
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
-        self.state = LoaderState()
+        self.on_bad_sample = on_bad_sample
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
+        self.state = self._epoch_start(0)
+
+    def _epoch_start(self, epoch: int) -> LoaderState:
+        segment = Segment(self.ranks, self.workers, self.micro_batch)
+        return LoaderState(epoch, self.shuffle_buffer, [segment], self.rank, [0] * self.workers)
+
+    def _layout(self, state: LoaderState) -> Layout:
+        return epoch_layout(self.shards, state.epoch, self.seed, state.segments)
 
     def state_dict(self) -> dict:
         return asdict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = LoaderState(**state)
+        """Continue from a saved position; one saved under another geometry (ranks, loader workers or
+        micro-batch) continues its epoch with this geometry (see the module docstring)."""
+        legacy = "segments" not in state  # saved before geometries were recorded: under this one
+        saved = self._epoch_start(state["epoch"]) if legacy else LoaderState.from_dict(state)
+        if legacy:
+            saved.segments[0].batches = state["batches"]
+        layout = self._layout(saved)
+        current, limit = saved.segments[-1], layout.batches_per_rank
+        if current.batches > limit:
+            raise ValueError(f"loader state at batch {current.batches} of epoch {saved.epoch}, which has "
+                             f"{limit} per rank: not a state of this stream and seed")
+        if legacy:
+            counts = [p.batches for p in layout.pieces[self.rank]]
+            saved.produced, saved.next_worker = round_robin_position(counts, current.batches)
+        if current.geometry() == (self.ranks, self.workers, self.micro_batch):
+            if saved.rank != self.rank:
+                raise ValueError(f"the loader state of rank {saved.rank} cannot resume rank {self.rank}: "
+                                 f"with an unchanged geometry each rank resumes its own")
+            self.state = saved
+        elif current.batches == limit:
+            self.state = self._epoch_start(saved.epoch + 1)  # its epoch was complete
+        else:
+            saved.segments.append(Segment(self.ranks, self.workers, self.micro_batch))
+            self.state = LoaderState(saved.epoch, saved.shuffle_buffer, saved.segments, self.rank,
+                                     [0] * self.workers)
 
     def __iter__(self) -> Iterator[dict]:
         """Endless: epoch after epoch, starting from the saved position."""
         while True:
-            plan = plan_epoch(self.shards, self.state.epoch, self.seed, self.ranks, self.workers, self.micro_batch)
-            skip, rotation = round_robin_position(plan.worker_batches(self.rank), self.state.batches)
-            dataset = RankStream(plan, self.rank, self.state.epoch, self.seed, self.shuffle_buffer,
-                                 self.collate, skip, rotation, self.verify)
-            loader = DataLoader(dataset, batch_size=None, num_workers=self.workers)
-            for batch in loader:
-                if self.state.batches >= plan.batches_per_rank:
-                    break
-                self.state.batches += 1
+            layout = self._layout(self.state)
+            if self.state.segments[-1].batches < layout.batches_per_rank:
+                yield from self._read(layout)
+            self.state = self._epoch_start(self.state.epoch + 1)
+
+    def _read(self, layout: Layout) -> Iterator[dict]:
+        """The rest of the current segment."""
+        state = self.state
+        current = state.segments[-1]
+        fresh = current.batches == 0
+        dataset = RankStream(layout, state, self.micro_batch, self.seed, self.collate, self.verify,
+                             self.on_bad_sample)
+        # Its own generator: otherwise starting the workers draws their base seed from the training
+        # process's torch RNG, and a resumed run would draw different dropout masks.
+        batches = iter(DataLoader(dataset, batch_size=None, num_workers=self.workers, generator=torch.Generator()))
+        try:
+            for batch in batches:
+                worker = batch.pop(_WORKER)
+                current.batches += 1
+                state.produced[worker] += 1
+                state.next_worker = (worker + 1) % self.workers
                 yield batch
-            self.state = LoaderState(self.state.epoch + 1, 0)
+                if current.batches >= layout.batches_per_rank:
+                    return
+        finally:
+            # Stop the workers (and free their shards) now. Left to the garbage collector, as when an
+            # exception's traceback holds the iterator, its queues can go first and each worker is
+            # then waited for 5 s before it is killed.
+            batches._shutdown_workers()
+        if fresh and current.batches == 0:
+            raise ShardError(f"rank {self.rank} got no batch in epoch {state.epoch}: all the data it was given "
+                             f"was skipped as bad (data.on_bad_sample=skip)")

@@ -10,6 +10,13 @@ Layout, one folder per step:
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
 previous checkpoint as the one resumed from. Older complete checkpoints beyond
 ``train.keep_checkpoints`` are deleted only after the new one is complete.
+
+Elastic resume (a different number of ranks than wrote the checkpoint): rank 0 converts ``ds/`` to a
+DeepSpeed *universal* checkpoint (parameters and Adam moments as whole fp32 tensors, one file per
+parameter, any ZeRO stage) once, stores it as ``universal/`` next to ``ds/`` (its own COMPLETE
+marker last), and every rank loads its new partition from it. Dropout RNG streams cannot carry
+over to a different rank count, so ranks start fresh ones; the data position is remapped by the
+loader (``clsys.data.streaming``).
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -93,20 +102,57 @@ def _delete_checkpoint(url: str) -> None:
         storage.delete(url)
 
 
+def saved_world_size(url: str) -> int:
+    return int(storage.read_json(storage.join(url, "clsys_state.json"))["world_size"])
+
+
+def _ensure_universal(url: str) -> str:
+    """Collective: the universal form of ``url``'s DeepSpeed checkpoint, converted once by rank 0."""
+    universal = storage.join(url, "universal")
+    if dist.get_rank() == 0 and not storage.exists(storage.join(universal, "COMPLETE")):
+        work = tempfile.mkdtemp(prefix="clsys-universal-")
+        try:
+            storage.download_dir(storage.join(url, "ds"), os.path.join(work, "in"))
+            # DeepSpeed's converter, as a process: its options change between versions, its CLI less.
+            # --inject_missing_state: the converter expects Megatron's parallelism metadata, which a
+            # plain data-parallel model does not write; the defaults it injects are the right ones.
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   os.path.join(work, "in"), "--output_folder", os.path.join(work, "out", "ds"),
+                                   "--inject_missing_state"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{url}: conversion to a universal checkpoint failed:\n{proc.stderr[-2000:]}")
+            storage.upload_dir(os.path.join(work, "out"), universal)
+            storage.write_bytes(storage.join(universal, "COMPLETE"), b"")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    dist.barrier()
+    return universal
+
+
 def load(engine, url: str, world_size: int) -> tuple[int, dict]:
-    """Collective: restore model/optimizer/scheduler; returns (step, this rank's saved state)."""
-    meta = storage.read_json(storage.join(url, "clsys_state.json"))
-    if meta["world_size"] != world_size:
-        raise RuntimeError(f"{url} was written by {meta['world_size']} ranks; resuming with {world_size} ranks "
-                           f"needs the same number of workers (cluster.num_workers={meta['world_size']})")
+    """Collective: restore model/optimizer/scheduler; returns (step, this rank's saved state).
+
+    With the rank count that wrote ``url`` every rank gets back its own RNG and loader state. With
+    another count (``engine`` built with ``load_universal``) the weights and optimizer are resharded
+    and every rank gets rank 0's loader state (all ranks stand at the same position) and no RNG state.
+    """
+    saved = saved_world_size(url)
     rank = dist.get_rank()
     local = tempfile.mkdtemp(prefix="clsys-restore-")
     try:
-        storage.download_dir(url, local)
+        if saved == world_size:
+            storage.download_dir(storage.join(url, "ds"), os.path.join(local, "ds"))
+            rank_file = f"rank-{rank:05d}.pt"
+        else:
+            storage.download_dir(_ensure_universal(url), local)
+            rank_file = "rank-00000.pt"
         path, client = engine.load_checkpoint(local, tag="ds")
         if path is None:
             raise RuntimeError(f"{url}: DeepSpeed could not load the checkpoint")
-        rank_state = torch.load(os.path.join(local, f"rank-{rank:05d}.pt"), weights_only=True)
+        storage.download_file(storage.join(url, rank_file), os.path.join(local, rank_file))
+        rank_state = torch.load(os.path.join(local, rank_file), weights_only=True)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+    if saved != world_size:
+        rank_state = {"loader": rank_state["loader"]}
     return int(client["step"]), rank_state

@@ -23,9 +23,11 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def ds_config(cfg: Config) -> dict:
+def ds_config(cfg: Config, load_universal: bool = False) -> dict:
     t = cfg.train
     return {
+        # Resuming on another rank count reads a universal checkpoint (clsys.engine.checkpoint).
+        "checkpoint": {"load_universal": load_universal},
         "train_batch_size": t.batch_size,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
@@ -51,8 +53,10 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def build_engine(model: torch.nn.Module, cfg: Config):
-    """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out)."""
+def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = False):
+    """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out).
+
+    ``load_universal``: the checkpoint it will restore was written by another number of ranks."""
     import deepspeed
 
     decay, no_decay = [], []
@@ -64,5 +68,5 @@ def build_engine(model: torch.nn.Module, cfg: Config):
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config(cfg))
+                                           config=ds_config(cfg, load_universal))
     return engine

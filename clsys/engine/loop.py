@@ -6,6 +6,7 @@ forward → backward → optimizer step → (every N) log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
+import collections
 import os
 import random
 import shutil
@@ -77,6 +78,16 @@ def _evaluate_retrieval(objective: Objective, cfg: Config) -> dict[str, float]:
     return scores
 
 
+def _report_skipped(skipped: collections.Counter, rank: int) -> None:
+    """Collective: the bad samples every rank's loader skipped (data.on_bad_sample: skip), summed."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(skipped))
+    total = sum((collections.Counter(c) for c in everyone), collections.Counter())
+    if rank == 0 and total:
+        print("[clsys] skipped bad data: " + ", ".join(f"{reason} {n}" for reason, n in sorted(total.items())),
+              flush=True)
+
+
 def _dev_set(cfg: Config):
     from clsys.evaluate import load_sts, resolve_sts
 
@@ -99,7 +110,11 @@ def train_worker(payload: dict) -> None:
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
-    engine = build_engine(objective, cfg)
+    # Fault tooling and operators find a rank's process by this line (tests/faults.py).
+    print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}", flush=True)
+    resume = _choose_resume(run, payload.get("resume"))
+    saved_world = checkpoint.saved_world_size(resume) if resume else world
+    engine = build_engine(objective, cfg, load_universal=saved_world != world)
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
     loader = objective.loader(cfg, rank, world)
     # From here on each rank draws its own dropout masks.
@@ -107,13 +122,14 @@ def train_worker(payload: dict) -> None:
     random.seed(cfg.train.seed + 1 + rank)
 
     step = 0
-    resume = _choose_resume(run, payload.get("resume"))
     if resume:
         step, rank_state = checkpoint.load(engine, resume, world)
-        checkpoint.set_rng_state(rank_state["rng"])
+        if "rng" in rank_state:  # absent after a change of rank count: fresh streams, seeded above
+            checkpoint.set_rng_state(rank_state["rng"])
         loader.load_state_dict(rank_state["loader"])
         if rank == 0:
-            print(f"[clsys] resumed from {resume} at step {step}", flush=True)
+            elastic = f" (written by {saved_world} ranks, resharded for {world})" if saved_world != world else ""
+            print(f"[clsys] resumed from {resume} at step {step}{elastic}", flush=True)
 
     tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
     tb = TensorBoard(tb_dir)
@@ -128,7 +144,16 @@ def train_worker(payload: dict) -> None:
         tokenizer.save_pretrained(folder)
         objective.encoder().config.save_pretrained(folder)
 
+    consumed: list[str] = []  # sample keys since the last checkpoint (train.log_sample_keys)
+    skipped: collections.Counter = collections.Counter()  # bad samples the loader skipped, by reason
+
     def save_checkpoint() -> None:
+        if cfg.train.log_sample_keys:
+            # Written with the checkpoint that covers them: after a restart the resumed steps rewrite
+            # the same files, so the folder always lists exactly the samples the weights have seen.
+            keys_url = storage.join(run, "sample_keys", f"rank-{rank:05d}", f"step-{step:08d}.txt")
+            storage.write_bytes(keys_url, "".join(f"{k}\n" for k in consumed).encode())
+            consumed.clear()
         rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict()}
         url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints)
         if rank == 0:
@@ -164,6 +189,10 @@ def train_worker(payload: dict) -> None:
             batch = next(batches)
             waited = time.perf_counter() - waited
             keys = batch.pop("keys")
+            skipped.update(batch.pop("data_skipped", {}))
+            if cfg.train.log_sample_keys:
+                stream = batch.get("stream")
+                consumed.extend(f"{stream}/{k}" if stream else k for k in keys)
             # Tensors go to the device; anything else (a task tag) passes through.
             batch = {k: v.to(engine.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
@@ -186,6 +215,8 @@ def train_worker(payload: dict) -> None:
                 rates[name] *= world
             tb.scalars("train", values, step)
             tb.scalars("perf", rates, step)
+            if skipped:
+                tb.scalars("data", {f"skipped_{reason}": n for reason, n in skipped.items()}, step)
             if rank == 0:
                 print(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
                       f"{rates['samples_per_s']:.1f} samples/s", flush=True)
@@ -197,5 +228,6 @@ def train_worker(payload: dict) -> None:
         if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps:
             save_checkpoint()
     tb.close()
+    _report_skipped(skipped, rank)
     if tb_dir is not None and storage.is_s3(run):
         shutil.rmtree(tb_dir, ignore_errors=True)  # its events were copied at the last checkpoint

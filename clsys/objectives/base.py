@@ -44,7 +44,8 @@ class Objective(nn.Module):
 
         (stream,) = self.streams(cfg)
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
-                           cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums)
+                           cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
+                           cfg.data.on_bad_sample)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""

@@ -122,10 +122,10 @@ class CLIR(Objective):
 
         loaders = {pair: ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
                                      cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
-                                     cfg.data.verify_checksums)
+                                     cfg.data.verify_checksums, cfg.data.on_bad_sample)
                    for pair, stream in zip(self.oc.pairs, self.streams(cfg))}
         return TaskMixer(loaders, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
-                         cfg.train.grad_accum, cfg.train.seed, rank)
+                         cfg.train.grad_accum, cfg.train.seed)
 
     # ---- batches (loader workers) -------------------------------------------------------------
 

@@ -1,0 +1,141 @@
+"""Fault injection for the fault-tolerance tests: a test utility, never a code path in the trainer.
+
+``Run`` starts ``python -m clsys.pretrain ...`` as a subprocess, follows its console line by line and
+fires one-shot actions when a line matches, or when a storage condition appears:
+
+    run = Run(["--config", "quickstart", "train.steps=8", ...])
+    run.on_line(r"\\[clsys\\] step 3/", lambda: run.signal_rank(1, signal.SIGKILL))   # kill -9 rank 1
+    run.when(lambda: partial_checkpoint(run_url, 4), lambda: run.signal_rank(0, signal.SIGKILL))
+    result = run.wait(timeout=600)        # CompletedProcess-like: returncode, output, fired
+
+A rank's process id comes from the "[clsys] rank R/N: pid P" line every training worker prints at
+start (after a restart the new pids replace the old ones). ``SIGSTOP`` instead of ``SIGKILL`` makes a
+rank hang without dying, which is what the collective watchdog (``cluster.collective_timeout_s``)
+has to catch. ``two_node_cluster`` gives a real multi-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``) whose worker nodes can be removed mid-run.
+
+To try a fault on a real deployment, the same actions work by hand: find the pid in the job's log and
+``kill -9`` it, or stop a node; the S3 side is ``tests/s3_fault_proxy.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from clsys import storage
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_PID = re.compile(r"\[clsys\] rank (\d+)/\d+: pid (\d+)")
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    fired: list[str] = field(default_factory=list)
+
+
+class Run:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, module: str = "clsys.pretrain"):
+        self.cmd = [sys.executable, "-m", module, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.pids: dict[int, int] = {}
+        self.lines: list[str] = []
+        self.fired: list[str] = []
+        self._line_actions: list[tuple[re.Pattern, Callable[[], None], str]] = []
+        self._conditions: list[tuple[Callable[[], bool], Callable[[], None], str]] = []
+        self._lock = threading.Lock()
+
+    def on_line(self, pattern: str, action: Callable[[], None]) -> "Run":
+        """Run ``action`` once, the first time a console line matches ``pattern``."""
+        self._line_actions.append((re.compile(pattern), action, f"line {pattern}"))
+        return self
+
+    def when(self, condition: Callable[[], bool], action: Callable[[], None], name: str = "condition") -> "Run":
+        """Run ``action`` once, as soon as ``condition()`` (polled every 50 ms) is true."""
+        self._conditions.append((condition, action, name))
+        return self
+
+    def signal_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        pid = self.pids[rank]
+        os.kill(pid, sig)
+        self.fired.append(f"{signal.Signals(sig).name} rank {rank} (pid {pid})")
+
+    def _poll_conditions(self, done: threading.Event) -> None:
+        while not done.is_set() and self._conditions:
+            for item in list(self._conditions):
+                condition, action, name = item
+                try:
+                    ready = condition()
+                except Exception:  # storage not there yet: keep polling
+                    ready = False
+                if ready:
+                    with self._lock:
+                        self._conditions.remove(item)
+                        action()
+                        self.fired.append(name)
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 900) -> RunResult:
+        proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        done = threading.Event()
+        poller = threading.Thread(target=self._poll_conditions, args=(done,), daemon=True)
+        poller.start()
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            for line in proc.stdout:
+                self.lines.append(line)
+                if match := RANK_PID.search(line):
+                    self.pids[int(match.group(1))] = int(match.group(2))
+                for item in list(self._line_actions):
+                    pattern, action, name = item
+                    if pattern.search(line):
+                        with self._lock:
+                            self._line_actions.remove(item)
+                            action()
+                            self.fired.append(name)
+            proc.wait()
+        finally:
+            killer.cancel()
+            done.set()
+            poller.join(timeout=5)
+        output = "".join(self.lines)
+        print(output[-6000:])
+        return RunResult(proc.returncode, output, self.fired)
+
+
+def partial_checkpoint(run_url: str, step: int) -> bool:
+    """True while checkpoint ``step`` is being written: some of its files exist, its COMPLETE marker not yet."""
+    folder = storage.join(run_url, "checkpoints", f"step-{step:08d}")
+    names = [url.rpartition("/")[2] for url in storage.list_prefix(folder)]
+    return bool(names) and "COMPLETE" not in names
+
+
+@contextlib.contextmanager
+def two_node_cluster(cpus_per_node: int = 1):
+    """A head node with no CPUs (Ray Train's controller needs none) and two worker nodes, all on
+    127.0.0.1; yields (cluster, [node, node]). ``cluster.remove_node(node)`` kills a node's raylet and
+    every worker process on it, like losing a machine."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1") for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
