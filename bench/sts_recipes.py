@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from clsys import storage  # noqa: E402
-from clsys.data.streaming import load_shards, read_shard  # noqa: E402
+from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
 from clsys.evaluate import STS_ASSETS, evaluate_sts, load_sts, resolve_sts  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
 from data_prep.shards import ShardWriter  # noqa: E402

@@ -44,7 +44,8 @@ def resolve_resume(cfg: Config, run: str) -> str | None:
 
 def check_data(cfg: Config) -> str:
     """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
-    from clsys.data.streaming import load_shards, plan_epoch
+    from clsys.data.shard_reader import load_shards
+    from clsys.data.streaming import plan_epoch
     from clsys.objectives import OBJECTIVES
 
     streams = [storage.join(cfg.data.url, name) for name in OBJECTIVES[cfg.objective.name].streams(cfg)]

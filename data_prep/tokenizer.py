@@ -88,7 +88,7 @@ def resolve_stream(url: str) -> str:
 
 
 def samples(streams: list[str]):
-    from clsys.data.streaming import load_shards, read_shard
+    from clsys.data.shard_reader import load_shards, read_shard
 
     for url in streams:
         for shard in load_shards(url):
@@ -185,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2
 
-    from clsys.data.streaming import ShardError
+    from clsys.data.shard_reader import ShardError
 
     inputs = ", ".join(args.input)
     if not 0 <= args.alpha <= 1 or not 0 < args.character_coverage <= 1:

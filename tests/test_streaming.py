@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from clsys import storage
-from clsys.data.streaming import ShardError, ShardLoader, load_shards, plan_epoch, read_shard, round_robin_position
+from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position
 from data_prep.shards import ShardWriter
 
 

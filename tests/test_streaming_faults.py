@@ -12,7 +12,8 @@ import pytest
 from test_streaming import SIZES, collate, consume, same_batches, write_stream
 
 from clsys import storage
-from clsys.data.streaming import ShardError, ShardLoader, load_shards, plan_epoch, read_shard
+from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.data.streaming import ShardLoader, plan_epoch
 
 
 def shard_url(url: str, n: int) -> str:
