@@ -77,15 +77,18 @@ def baseline(shards, tmp_path_factory):
     return out
 
 
-def test_kill_9_of_a_worker_mid_checkpoint_restarts_from_the_previous_one_and_matches(shards, baseline, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_kill_9_of_a_worker_mid_checkpoint_restarts_from_the_previous_one_and_matches(shards, baseline, tmp_path,
+                                                                                      stage):
     """kill -9 of rank 1 while checkpoint 4 is being written (file://): the restart resumes from 2."""
-    r = Run(recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.max_restarts=1"))
-    r.when(lambda: partial_checkpoint(f"file://{tmp_path}/z2", 4), lambda: r.signal_rank(1, signal.SIGKILL),
+    name = f"z{stage}"
+    r = Run(recipe(shards, tmp_path, name, f"train.zero_stage={stage}", "cluster.max_restarts=1"))
+    r.when(lambda: partial_checkpoint(f"file://{tmp_path}/{name}", 4), lambda: r.signal_rank(1, signal.SIGKILL),
            name="kill rank 1 while checkpoint 4 is written")
     result = r.wait()
     assert result.returncode == 0 and result.fired, result.fired
     assert "resumed from" in result.output and "step-00000002" in result.output
-    assert_same_run(tmp_path / "z2", baseline[2])
+    assert_same_run(tmp_path / name, baseline[stage])
 
 
 def test_stopped_run_resumed_by_hand_matches(shards, baseline, tmp_path):
