@@ -39,10 +39,14 @@ class Objective(nn.Module):
 
         One stream: a ``ShardLoader`` that collates with ``collate``. Objectives that mix streams override it.
         """
+        (stream,) = self.streams(cfg)
+        return self.shard_loader(cfg, stream, rank, world)
+
+    def shard_loader(self, cfg: Config, stream: str, rank: int, world: int):
+        """A ``ShardLoader`` over one stream under ``data.url``, configured by the ``data`` section."""
         from clsys import storage
         from clsys.data.streaming import ShardLoader
 
-        (stream,) = self.streams(cfg)
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
                            cfg.data.on_bad_sample)

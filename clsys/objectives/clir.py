@@ -29,13 +29,12 @@ from __future__ import annotations
 import collections
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clsys import storage
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining
@@ -77,7 +76,7 @@ def hard_negative_probability(hard: int) -> float:
     return 1.0 - 0.75 ** hard
 
 
-def sample_negative(hard: list[str], pool: list[str], positive: str, rng: random.Random) -> str | None:
+def sample_negative(hard: list[str], pool: Iterable[str], positive: str, rng: random.Random) -> str | None:
     """A hard negative with probability 1 − (3/4)^|hard|, else a random pool section (never the
     positive); None when neither kind is available."""
     if hard and rng.random() < hard_negative_probability(len(hard)):
@@ -118,11 +117,8 @@ class CLIR(Objective):
 
     def loader(self, cfg: Config, rank: int, world: int):
         from clsys.data.mixing import TaskMixer
-        from clsys.data.streaming import ShardLoader
 
-        loaders = {pair: ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
-                                     cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer,
-                                     cfg.data.verify_checksums, cfg.data.on_bad_sample)
+        loaders = {pair: self.shard_loader(cfg, stream, rank, world)
                    for pair, stream in zip(self.oc.pairs, self.streams(cfg))}
         return TaskMixer(loaders, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
                          cfg.train.grad_accum, cfg.train.seed)
@@ -151,7 +147,7 @@ class CLIR(Objective):
         if "rr" in self.oc.tasks:
             rr_queries, rr_docs, labels = [], [], []
             for e in examples:
-                pool = list(self.pools[e["doc_lang"]])
+                pool = self.pools[e["doc_lang"]]  # only scanned when a random negative is drawn
                 negatives = [sample_negative(e["hard_negatives"], pool, e["positive"], rng)
                              for _ in range(self.oc.rr_negatives)]
                 if self.oc.rr_in_batch:
