@@ -9,7 +9,9 @@ fires one-shot actions when a line matches, or when a storage condition appears:
     result = run.wait(timeout=600)        # CompletedProcess-like: returncode, output, fired
 
 A rank's process id comes from the "[clsys] rank R/N: pid P" line every training worker prints at
-start (after a restart the new pids replace the old ones). ``SIGSTOP`` instead of ``SIGKILL`` makes a
+start (after a restart the new pids replace the old ones). Ray forwards each worker's console on its
+own schedule, so rank 0's "step 3" can arrive before rank 1's pid line: an action that signals a rank
+whose pid has not been seen yet stays armed and fires as soon as the pid line arrives. ``SIGSTOP`` instead of ``SIGKILL`` makes a
 rank hang without dying, which is what the collective watchdog (``cluster.collective_timeout_s``)
 has to catch. ``two_node_cluster`` gives a real multi-node Ray cluster on this machine
 (``ray.cluster_utils.Cluster``) whose worker nodes can be removed mid-run.
@@ -37,6 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 RANK_PID = re.compile(r"\[clsys\] rank (\d+)/\d+: pid (\d+)")
 
 
+class PidNotSeenYet(Exception):
+    """The action's rank has not printed its pid line yet; the action is retried later."""
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -53,6 +59,7 @@ class Run:
         self.fired: list[str] = []
         self._line_actions: list[tuple[re.Pattern, Callable[[], None], str]] = []
         self._conditions: list[tuple[Callable[[], bool], Callable[[], None], str]] = []
+        self._armed: list[tuple[Callable[[], None], str]] = []  # triggered, waiting for a pid
         self._lock = threading.Lock()
 
     def on_line(self, pattern: str, action: Callable[[], None]) -> "Run":
@@ -66,12 +73,14 @@ class Run:
         return self
 
     def signal_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        if rank not in self.pids:
+            raise PidNotSeenYet(rank)
         pid = self.pids[rank]
         os.kill(pid, sig)
         self.fired.append(f"{signal.Signals(sig).name} rank {rank} (pid {pid})")
 
     def _poll_conditions(self, done: threading.Event) -> None:
-        while not done.is_set() and self._conditions:
+        while not done.is_set():
             for item in list(self._conditions):
                 condition, action, name = item
                 try:
@@ -81,9 +90,20 @@ class Run:
                 if ready:
                     with self._lock:
                         self._conditions.remove(item)
-                        action()
-                        self.fired.append(name)
+                        self._armed.append((action, name))
+            self._fire_armed()
             time.sleep(0.05)
+
+    def _fire_armed(self) -> None:
+        with self._lock:
+            for item in list(self._armed):
+                action, name = item
+                try:
+                    action()
+                except PidNotSeenYet:
+                    continue
+                self._armed.remove(item)
+                self.fired.append(name)
 
     def wait(self, timeout: float = 900) -> RunResult:
         proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -103,8 +123,8 @@ class Run:
                     if pattern.search(line):
                         with self._lock:
                             self._line_actions.remove(item)
-                            action()
-                            self.fired.append(name)
+                            self._armed.append((action, name))
+                self._fire_armed()
             proc.wait()
         finally:
             killer.cancel()
