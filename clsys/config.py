@@ -79,6 +79,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 2
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
+    tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often
     log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
 
 
@@ -89,6 +90,7 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     max_restarts: int = 0  # worker-group restarts after a failure (Ray FailureConfig)
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck or lost rank) fails the step
+    stop_poll_s: float = 5.0  # how often rank 0 looks for a stop request (<run>/STOP, written on SIGUSR1/SIGTERM)
 
 
 @dataclass

@@ -5,21 +5,29 @@ data and the run folder, then runs Ray Train workers (``clsys.engine.loop.train_
 joins the Ray cluster named by ``RAY_ADDRESS`` (as under ``ray job submit``) and otherwise starts
 a local one in-process. After training it exports the final encoder and, when ``eval.sts_test``
 is set, prints the STS scores of the base model and the trained one side by side.
+
+SIGUSR1 or SIGTERM (a scheduler's preemption notice) makes the workers checkpoint at the next
+step and stop; the driver then exits with code 75 and ``--resume latest`` continues the run
+(``clsys.engine.preemption``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 
-# Ray must not pick the machine's external address for its services and gloo (see README).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A local Ray cluster started by this driver must not pick the machine's external address for its
+# services and gloo (see README). Joining a cluster, the cluster's own settings apply.
+if not os.environ.get("RAY_ADDRESS"):
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from clsys import storage  # noqa: E402
 from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
+from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
 
 # Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
 # visible in the dashboard): workers read them from their own environment / instance role.
@@ -66,6 +74,10 @@ def init_ray(cfg: Config) -> None:
         env.setdefault("DS_ACCELERATOR", "cpu")
     # Ray Train routes workers' print() through its logger, which reaches the console twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
+    # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
+    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env})
         print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
@@ -140,14 +152,26 @@ def main(argv: list[str] | None = None) -> int:
         storage.check_bucket(run)
         resume = resolve_resume(cfg, run)
         stream = check_data(cfg)
+        clear_stop_marker(run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
     print(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
           f"ZeRO-{cfg.train.zero_stage}, {cfg.train.steps} steps" + (f", resuming {resume}" if resume else ""))
+    install_stop_handlers(run)
     init_ray(cfg)
+    install_stop_handlers(run)  # again: ray.init installs a SIGTERM handler of its own
+    started_in = os.getcwd()
     train(cfg, resume)
+    # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
+    # agent unpacks the working dir into the same shared folder, replacing the one this process is in.
+    os.chdir(started_in if os.path.isdir(started_in) else tempfile.gettempdir())
+    latest = checkpoint.complete_checkpoints(run)[-1][0]
+    if latest < cfg.train.steps:  # the workers stopped on request
+        print(f"[clsys] stopped at step {latest} on request; checkpoint {checkpoint.step_url(run, latest)}; "
+              f"resume with --resume latest", flush=True)
+        return EXIT_PREEMPTED
 
     from clsys.export import export
 
@@ -164,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  checkpoints: {storage.join(run, 'checkpoints')}")
     print(f"  model:       {exported}")
     if storage.is_s3(run):
-        print(f"  logs:        {storage.join(run, 'tensorboard')} (copied there at every checkpoint)")
+        print(f"  logs:        python -m clsys.tensorboard {run}")
     else:
         print(f"  logs:        tensorboard --logdir {storage.parse(run).path}/tensorboard --host 127.0.0.1")
     return 0

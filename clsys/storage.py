@@ -286,20 +286,25 @@ def download_file(url: str, local_path: str) -> None:
 
 def list_prefix(url: str) -> Iterator[str]:
     """Every object URL under ``url`` (recursively), sorted."""
+    return (obj for obj, _ in list_sizes(url))
+
+
+def list_sizes(url: str) -> Iterator[tuple[str, int]]:
+    """(object URL, size in bytes) of every object under ``url`` (recursively), sorted."""
     loc = parse(url)
     if loc.scheme == "file":
         root = Path(loc.path)
         if root.is_dir():
             for p in sorted(root.rglob("*")):
                 if p.is_file():
-                    yield f"file://{p}"
+                    yield f"file://{p}", p.stat().st_size
         return
     prefix = loc.path + "/" if loc.path else ""
     paginator = s3_client().get_paginator("list_objects_v2")
     pages = _s3_call(url, lambda: list(paginator.paginate(Bucket=loc.bucket, Prefix=prefix)))
     for page in pages:
         for obj in page.get("Contents", []):
-            yield f"s3://{loc.bucket}/{obj['Key']}"
+            yield f"s3://{loc.bucket}/{obj['Key']}", obj["Size"]
 
 
 def delete(url: str) -> None:

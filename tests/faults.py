@@ -5,6 +5,7 @@ fires one-shot actions when a line matches, or when a storage condition appears:
 
     run = Run(["--config", "quickstart", "train.steps=8", ...])
     run.on_line(r"\\[clsys\\] step 3/", lambda: run.signal_rank(1, signal.SIGKILL))   # kill -9 rank 1
+    run.on_line(r"\\[clsys\\] step 5/", lambda: run.signal_driver(signal.SIGUSR1))    # preemption notice
     run.when(lambda: partial_checkpoint(run_url, 4), lambda: run.signal_rank(0, signal.SIGKILL))
     result = run.wait(timeout=600)        # CompletedProcess-like: returncode, output, fired
 
@@ -79,6 +80,11 @@ class Run:
         os.kill(pid, sig)
         self.fired.append(f"{signal.Signals(sig).name} rank {rank} (pid {pid})")
 
+    def signal_driver(self, sig: int) -> None:
+        """Signal the ``clsys.pretrain`` process itself, as a scheduler's preemption notice does."""
+        self.proc.send_signal(sig)
+        self.fired.append(f"{signal.Signals(sig).name} driver (pid {self.proc.pid})")
+
     def _poll_conditions(self, done: threading.Event) -> None:
         while not done.is_set():
             for item in list(self._conditions):
@@ -106,8 +112,8 @@ class Run:
                 self.fired.append(name)
 
     def wait(self, timeout: float = 900) -> RunResult:
-        proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+        self.proc = proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True, bufsize=1)
         done = threading.Event()
         poller = threading.Thread(target=self._poll_conditions, args=(done,), daemon=True)
         poller.start()

@@ -8,6 +8,7 @@ removal), never from code paths in the trainer.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from clsys import storage
 from faults import Run, partial_checkpoint, two_node_cluster
-from test_pretrain import SAMPLE, run, tensorboard_scalars
+from test_pretrain import SAMPLE, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 STEPS = 8
@@ -48,9 +49,14 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {e.step: e.value for e in sorted(acc.Scalars("train/loss"), key=lambda e: e.wall_time)}
 
 
+def sample_key_files(run_dir: Path) -> list[str]:
+    return [str(p.relative_to(run_dir / "sample_keys")) for p in sorted((run_dir / "sample_keys").rglob("*.txt"))]
+
+
 def sample_keys(run_dir: Path) -> dict[str, list[str]]:
-    return {str(p.relative_to(run_dir / "sample_keys")): p.read_text().split()
-            for p in sorted((run_dir / "sample_keys").rglob("*.txt"))}
+    """Each rank's consumed sample keys in order (its per-checkpoint files, concatenated by step)."""
+    return {rank.name: [key for part in sorted(rank.glob("step-*.txt")) for key in part.read_text().split()]
+            for rank in sorted((run_dir / "sample_keys").iterdir())}
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -103,6 +109,22 @@ def test_stopped_run_resumed_by_hand_matches(shards, baseline, tmp_path):
     assert_same_run(tmp_path / "z3", baseline[3])
 
 
+def test_preemption_notice_checkpoints_stops_and_resumes(shards, baseline, tmp_path):
+    """SIGUSR1 to the driver (SLURM's warning before the time limit): checkpoint at the next step, exit 75;
+    `--resume latest` finishes the run as if nothing happened."""
+    args = recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.stop_poll_s=0.2")
+    r = Run(args)
+    r.on_line(r"\[clsys\] step 3/", lambda: r.signal_driver(signal.SIGUSR1))
+    result = r.wait()
+    assert result.returncode == 75 and result.fired, result.fired
+    stopped = re.search(r"stopped at step (\d+) on request", result.output)
+    assert stopped and 3 <= int(stopped.group(1)) < STEPS
+    assert not (tmp_path / "z2" / "export").exists()
+    resumed = Run(args + ["train.resume=latest"]).wait()
+    assert resumed.returncode == 0 and f"at step {stopped.group(1)}" in resumed.output
+    assert_same_run(tmp_path / "z2", baseline[2])
+
+
 def test_stuck_rank_is_caught_by_the_collective_watchdog(shards, baseline, tmp_path):
     r = Run(recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.max_restarts=1",
                    "cluster.collective_timeout_s=30"))
@@ -146,7 +168,7 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/COMPLETE")
     keys = [k for ks in sample_keys(run_dir).values() for k in ks]
     assert len(keys) == STEPS * batch and len(set(keys)) == len(keys), "a sample was consumed twice"
-    assert {p.split("/")[0] for p in sample_keys(run_dir) if p.endswith("step-00000008.txt")} == \
+    assert {p.split("/")[0] for p in sample_key_files(run_dir) if p.endswith("step-00000008.txt")} == \
         {f"rank-{r:05d}" for r in range(workers)}
     # Training went on from step 5 (the restored step), not from scratch, with finite losses.
     after = losses(run_dir)

@@ -21,14 +21,16 @@ from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
 from clsys.engine import checkpoint
 from clsys.engine.deepspeed import build_engine, init_distributed
+from clsys.engine.preemption import StopWatch
 from clsys.metrics import TensorBoard, Throughput
+from clsys.tensorboard import LOG_FOLDER, EventSync
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
 
 
 def local_tensorboard_dir(cfg: Config) -> str:
     """TensorBoard writes to a local folder: the run's own when the run is local, else a fresh
-    temporary one whose event files are copied to ``<run>/tensorboard`` at every checkpoint."""
+    temporary one that ``EventSync`` mirrors to ``<run>/tensorboard``."""
     run = storage.parse(run_url(cfg))
     if run.scheme == "file":
         return os.path.join(run.path, "tensorboard")
@@ -133,6 +135,8 @@ def train_worker(payload: dict) -> None:
 
     tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
     tb = TensorBoard(tb_dir)
+    tb_sync = (EventSync(tb_dir, storage.join(run, LOG_FOLDER), cfg.train.tensorboard_sync_s)
+               if tb_dir is not None and storage.is_s3(run) else None)
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
@@ -158,8 +162,6 @@ def train_worker(payload: dict) -> None:
         url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints)
         if rank == 0:
             tb.flush()
-            if storage.is_s3(run):
-                storage.upload_dir(tb_dir, storage.join(run, "tensorboard"))
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
 
     def evaluate(at_step: int) -> None:
@@ -183,6 +185,7 @@ def train_worker(payload: dict) -> None:
 
     batches = iter(loader)
     meter = Throughput()
+    stop_watch = StopWatch(run, cfg.cluster.stop_poll_s)
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
             waited = time.perf_counter()
@@ -225,9 +228,16 @@ def train_worker(payload: dict) -> None:
         if evaluating and (step % cfg.eval.every == 0 or step == cfg.train.steps):
             evaluate(step)
 
-        if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps:
+        stopping = stop_watch.should_stop()
+        if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stopping:
             save_checkpoint()
+        if stopping:
+            if rank == 0:
+                print(f"[clsys] step {step}: stopped on request", flush=True)
+            break
+    stop_watch.close()
     tb.close()
     _report_skipped(skipped, rank)
-    if tb_dir is not None and storage.is_s3(run):
-        shutil.rmtree(tb_dir, ignore_errors=True)  # its events were copied at the last checkpoint
+    if tb_sync is not None:
+        tb_sync.close()  # the last copy, with everything written
+        shutil.rmtree(tb_dir, ignore_errors=True)

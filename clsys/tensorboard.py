@@ -1,0 +1,164 @@
+"""TensorBoard for long runs: event files synced to the run's storage, and served from there.
+
+``python -m clsys.tensorboard RUN_URL [--port 6006] [--host 127.0.0.1] [--refresh 30] [--cache DIR]``
+
+Rank 0 writes its event files to a local folder (TensorBoard's writer appends to files; object
+stores have no append). For a run on object storage, ``EventSync`` copies the files that grew to
+``<run>/tensorboard/`` every ``train.tensorboard_sync_s`` seconds from a background thread, and
+once more at the end, so a crashed or preempted run loses at most that many seconds of curves.
+
+The command pulls ``<run>/tensorboard/`` (or, given a run root, every ``<root>/<name>/tensorboard/``,
+one TensorBoard run per name) into a local cache, serves it on 127.0.0.1, and pulls what changed
+every ``--refresh`` seconds; TensorBoard itself reloads the cache every few seconds. A local run
+folder is served in place.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+from clsys import storage
+
+LOG_FOLDER = "tensorboard"
+
+
+class EventSync:
+    """Mirror a local folder to ``url``: new and grown files only, every ``every_s`` seconds and at close."""
+
+    def __init__(self, local_dir: str, url: str, every_s: float):
+        self.local_dir, self.url = local_dir, url
+        self.uploaded: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last copied
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self.thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self.done.wait(every_s):
+            try:
+                self.sync()
+            except storage.StorageError as err:  # keep training; the next round tries again
+                print(f"[clsys] TensorBoard sync to {self.url} failed, retrying later: {err}", file=sys.stderr,
+                      flush=True)
+
+    def sync(self) -> int:
+        """Copy what changed since the last call; returns the number of files copied."""
+        copied = 0
+        with self.lock:
+            for folder, _, files in os.walk(self.local_dir):
+                for name in sorted(files):
+                    path = os.path.join(folder, name)
+                    stat = os.stat(path)
+                    rel = os.path.relpath(path, self.local_dir)
+                    if self.uploaded.get(rel) != (stat.st_size, stat.st_mtime_ns):
+                        storage.upload_file(path, storage.join(self.url, rel))
+                        self.uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
+                        copied += 1
+        return copied
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.sync()
+
+
+def _log_objects(url: str) -> dict[str, tuple[str, int]]:
+    """Event objects to serve: local relative path -> (object URL, size).
+
+    A run URL maps ``<run>/tensorboard/F`` to ``F``; a run root maps ``<root>/<name>/tensorboard/F``
+    to ``<name>/F`` so that TensorBoard shows one run per name.
+    """
+    objects = {}
+    for prefix in (storage.join(url, LOG_FOLDER), url):
+        base = storage.parse(prefix).path.rstrip("/")
+        for obj, size in storage.list_sizes(prefix):
+            parts = storage.parse(obj).path[len(base):].lstrip("/").split("/")
+            if prefix == url:  # a run root: keep only <name>/tensorboard/...
+                if len(parts) < 3 or parts[1] != LOG_FOLDER:
+                    continue
+                parts = [parts[0], *parts[2:]]
+            objects["/".join(parts)] = (obj, size)
+        if objects:
+            break
+    return objects
+
+
+def pull(url: str, cache: str, pulled: dict[str, int]) -> int:
+    """Download the event files that are new or grew since the last pull; returns how many."""
+    count = 0
+    for rel, (obj, size) in _log_objects(url).items():
+        if pulled.get(rel) == size:
+            continue
+        local = os.path.join(cache, rel)
+        storage.download_file(obj, f"{local}.part")
+        have = os.path.getsize(local) if os.path.exists(local) else 0
+        if 0 < have < size:
+            # Event files only grow, and TensorBoard keeps reading an open file from where it
+            # stopped: append the new tail to that same file (a replaced file would go unnoticed).
+            with open(f"{local}.part", "rb") as new, open(local, "ab") as old:
+                new.seek(have)
+                shutil.copyfileobj(new, old)
+            os.remove(f"{local}.part")
+        else:
+            os.replace(f"{local}.part", local)
+        pulled[rel] = size
+        count += 1
+    return count
+
+
+def serve(logdir: str, host: str, port: int) -> str:
+    from tensorboard import program
+
+    board = program.TensorBoard()
+    board.configure(argv=[None, "--logdir", logdir, "--host", host, "--port", str(port), "--reload_interval", "5"])
+    return board.launch()  # serves from a background thread
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clsys.tensorboard", description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a run (or a run root) as a local folder, file:// or s3:// URL")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=6006)
+    parser.add_argument("--refresh", type=float, default=30.0, help="seconds between pulls from object storage")
+    parser.add_argument("--cache", default=None, help="local folder for pulled event files (default: a temp folder)")
+    args = parser.parse_args(argv)
+
+    run = args.run if "://" in args.run else os.path.abspath(args.run)
+    try:
+        if not storage.is_s3(run):
+            local_run = storage.parse(run).path
+            logdir = os.path.join(local_run, LOG_FOLDER)
+            logdir = logdir if os.path.isdir(logdir) else local_run
+            url = serve(logdir, args.host, args.port)
+            print(f"[clsys] TensorBoard for {run} at {url}", flush=True)
+            threading.Event().wait()
+        cache = args.cache or tempfile.mkdtemp(prefix="clsys-tensorboard-")
+        pulled: dict[str, int] = {}
+        count = pull(run, cache, pulled)
+        if not pulled:
+            print(f"error: no TensorBoard event files under {run} (looked in {LOG_FOLDER}/ and */{LOG_FOLDER}/)",
+                  file=sys.stderr)
+            return 2
+        url = serve(cache, args.host, args.port)
+        print(f"[clsys] TensorBoard for {run} at {url} ({count} files pulled into {cache}, "
+              f"refreshed every {args.refresh:g} s)", flush=True)
+        while True:
+            time.sleep(args.refresh)
+            try:
+                pull(run, cache, pulled)
+            except storage.StorageError as err:
+                print(f"[clsys] pull from {run} failed, retrying: {err}", file=sys.stderr, flush=True)
+    except storage.StorageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
