@@ -4,8 +4,8 @@
 
 Rank 0 writes its event files to a local folder (TensorBoard's writer appends to files; object
 stores have no append). For a run on object storage, ``EventSync`` copies the files that grew to
-``<run>/tensorboard/`` every ``train.tensorboard_sync_s`` seconds from a background thread, and
-once more at the end, so a crashed or preempted run loses at most that many seconds of curves.
+``<run>/tensorboard/`` every ``train.tensorboard_sync_s`` seconds from a background thread, at every
+checkpoint (so the curves cover what a resumed run starts from) and once more at the end.
 
 The command pulls ``<run>/tensorboard/`` (or, given a run root, every ``<root>/<name>/tensorboard/``,
 one TensorBoard run per name) into a local cache, serves it on 127.0.0.1, and pulls what changed

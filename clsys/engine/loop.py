@@ -23,9 +23,9 @@ from clsys.engine import checkpoint
 from clsys.engine.deepspeed import build_engine, init_distributed
 from clsys.engine.preemption import StopWatch
 from clsys.metrics import TensorBoard, Throughput
-from clsys.tensorboard import LOG_FOLDER, EventSync
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
+from clsys.tensorboard import LOG_FOLDER, EventSync
 
 
 def local_tensorboard_dir(cfg: Config) -> str:
@@ -162,6 +162,8 @@ def train_worker(payload: dict) -> None:
         url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints)
         if rank == 0:
             tb.flush()
+            if tb_sync is not None:  # the curves on storage cover at least what the checkpoint covers
+                tb_sync.sync()
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
 
     def evaluate(at_step: int) -> None:
