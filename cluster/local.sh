@@ -46,6 +46,12 @@ node_joined() {  # the node launcher prints this line once the head has register
     grep -q "joined 127.0.0.1:$port" "$state/$1.log"
 }
 
+all_nodes_listed() {  # `ray status` reports from the autoscaler's view, which lags the raylets' registration
+    local listed
+    listed=$("$ray_bin" status --address="127.0.0.1:$port" 2>/dev/null | grep -c " node_") || return 1
+    ((listed == nodes + 1))
+}
+
 start() {  # start a command in its own session, record its pid as $1
     local name=$1
     shift
@@ -68,6 +74,7 @@ up() {
         start "node-$i" "$python" "$here/local_node.py" --address="127.0.0.1:$port" --num-cpus="$node_cpus"
         wait_for 120 "worker node $i" node_joined "node-$i"
     done
+    wait_for 120 "the cluster's node list" all_nodes_listed
     echo "[clsys] local Ray cluster up: head 127.0.0.1:$port (0 CPUs) + $nodes node(s) x $node_cpus CPU(s)"
     echo "  export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:$dashboard_port"
 }
