@@ -110,6 +110,31 @@ class EvalConfig:
 
 
 @dataclass
+class TaskConfig:
+    """A few-shot text-classification task (CSS-LM): files in a format ``clsys.data.labeled`` reads."""
+
+    train: str = ""  # labelled training file (CSV/TSV/JSONL/"LABEL text"); the class names come from it
+    dev: str = ""  # selects the epoch (accuracy)
+    test: str = ""  # reported at the best dev epoch
+    shots: int = 16  # examples per class drawn from train with the repeat's seed (0 = all of train)
+    text_field: str = ""  # CSV/TSV/JSONL field names; "" = guessed (text/sentence/…, label/…)
+    label_field: str = ""
+    warmup_epochs: int = 14  # stage A (or the plain fine-tuning baseline's only stage)
+    epochs: int = 14  # stage C
+    warmup_fraction: float = 0.1  # linear lr warm-up over this fraction of each stage's steps
+    detach_after_epochs: int = 1  # stage A: C and D see detached views from this epoch on (0 = never)
+
+
+@dataclass
+class CorpusConfig:
+    """The unlabeled corpus CSS-LM retrieves from: sentence shards written by ``data_prep wiki``."""
+
+    url: str = ""  # the sentences stream (or the data_prep output root holding sentences/)
+    bank_size: int = 40000  # bank rows: the first this many corpus sentences with >= min_tokens tokens
+    min_tokens: int = 15  # tokens (without special tokens) a sentence needs to enter the bank
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -118,6 +143,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -21,7 +21,6 @@ import argparse
 import csv
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable

@@ -87,30 +87,112 @@ def init_ray(cfg: Config) -> None:
     print(f"[clsys] started a local Ray cluster with {cpus} CPUs (set RAY_ADDRESS to join one)", flush=True)
 
 
-def train(cfg: Config, resume: str | None) -> None:
+def train(cfg: Config, resume: str | None, worker=None) -> None:
+    """One Ray Train run of ``worker`` (default: the step loop, ``clsys.engine.loop.train_worker``)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from clsys.engine.loop import train_worker
+    if worker is None:
+        from clsys.engine.loop import train_worker as worker
 
     c = cfg.cluster
     run = storage.parse(run_url(cfg))
     # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
     ray_dir = os.path.join(run.path, "ray") if run.scheme == "file" else os.path.abspath(os.path.join("runs", "ray"))
     trainer = TorchTrainer(
-        train_worker,
+        worker,
         train_loop_config={"config": cfg.to_dict(), "resume": resume},
         # The collective watchdog: a rank stuck longer than this makes its peers' collectives fail,
         # which fails the worker group and (with cluster.max_restarts) restarts it from a checkpoint.
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo", timeout_s=c.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
-        run_config=RunConfig(name=cfg.train.name, storage_path=ray_dir,
+        run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,
                              failure_config=FailureConfig(max_failures=c.max_restarts)),
     )
     result = trainer.fit()
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}")
+
+
+def _task_path(path: str) -> str:
+    """A task file as given (relative to the working folder), else relative to the clsys checkout."""
+    if not path or "://" in path or os.path.exists(path):
+        return os.path.abspath(path) if path and "://" not in path else path
+    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    return bundled if os.path.exists(bundled) else os.path.abspath(path)
+
+
+def run_css_lm(cfg: Config, repeats: int) -> int:
+    """CSS-LM (or its fine-tuning baseline) for ``repeats`` seeds train.seed, +1, …: one Ray Train run
+    each (``clsys.engine.css_pipeline``), then test accuracy at the best dev epoch, mean ± std."""
+    import copy
+    import statistics
+
+    from clsys.data.corpus import resolve_corpus_stream
+    from clsys.data.shard_reader import load_shards
+    from clsys.data.streaming import plan_epoch
+    from clsys.engine.css_pipeline import RESULT, css_lm_worker, load_task
+
+    try:
+        for key in ("train", "dev", "test"):
+            if not getattr(cfg.task, key):
+                raise ConfigError(f"task.{key}: set it to a labelled file (CSV/TSV/JSONL or 'LABEL text' lines)")
+            setattr(cfg.task, key, _task_path(getattr(cfg.task, key)))
+        if cfg.train.resume not in ("", "latest"):
+            raise ConfigError("train.resume: css_lm resumes whole stages: '' or latest")
+        task = load_task(cfg, cfg.train.seed)  # every file read and checked before any worker starts
+        classes = len(task.train.label_names)
+        if cfg.objective.num_labels not in (0, classes):
+            raise ConfigError(f"objective.num_labels: {cfg.objective.num_labels}, but {cfg.task.train} has "
+                              f"{classes} classes")
+        cfg.objective.num_labels = classes
+        if cfg.objective.method == "css_lm":
+            if "://" not in cfg.corpus.url and cfg.corpus.url:
+                cfg.corpus.url = os.path.abspath(cfg.corpus.url)
+            corpus = resolve_corpus_stream(cfg.corpus.url)
+            plan_epoch(load_shards(corpus), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
+                       cfg.micro_batch * cfg.objective.domain_negatives)
+        runs = []
+        for i in range(repeats):
+            seeded = copy.deepcopy(cfg)
+            seeded.train.seed = cfg.train.seed + i
+            if repeats > 1:
+                seeded.train.name = f"{cfg.train.name}/seed-{seeded.train.seed}"
+            run = run_url(seeded)
+            storage.check_bucket(run)
+            if cfg.train.resume != "latest" and next(iter(storage.list_prefix(run)), None) is not None:
+                raise ConfigError(f"{run} already exists: pass --resume latest to continue it (complete stages "
+                                  f"are kept), or choose another train.name")
+            runs.append((seeded, run))
+    except (ConfigError, storage.StorageError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    print(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
+          f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO-{cfg.train.zero_stage}")
+    init_ray(cfg)
+    results = []
+    for seeded, run in runs:
+        if storage.exists(storage.join(run, RESULT)):
+            print(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped", flush=True)
+        else:
+            train(seeded, None, css_lm_worker)
+        results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})
+    tests = [r["test_accuracy"] for r in results]
+    summary = {"method": cfg.objective.method, "task": cfg.task.train, "shots": cfg.task.shots, "seeds": results,
+               "test_accuracy_mean": statistics.mean(tests),
+               "test_accuracy_std": statistics.stdev(tests) if len(tests) > 1 else 0.0}
+    storage.write_json(storage.join(run_url(cfg), "summary.json"), summary)
+    print(f"\n{'seed':>6} {'warm-up dev':>12} {'warm-up test':>13} {'dev':>8} {'test':>8}   (accuracy at the best dev epoch)")
+    for r in results:
+        print(f"{r['seed']:>6} {r['warmup']['dev_accuracy']:>12.4f} {r['warmup']['test_accuracy']:>13.4f} "
+              f"{r['dev_accuracy']:>8.4f} {r['test_accuracy']:>8.4f}")
+    print(f"\n[clsys] {cfg.objective.method}: test accuracy {100 * summary['test_accuracy_mean']:.2f} ± "
+          f"{100 * summary['test_accuracy_std']:.2f} over {len(tests)} seed(s); "
+          f"summary {storage.join(run_url(cfg), 'summary.json')}")
+    print(f"  classifier:  python -m clsys.classify --model {storage.join(results[-1]['run'], 'export')} FILE")
+    return 0
 
 
 def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
@@ -138,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clsys.pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="quickstart", help="recipe file or bundled recipe name (default: quickstart)")
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint URL (same as train.resume=...)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="css_lm: run this many seeds (train.seed, +1, ...) and report mean ± std")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards")
     args = parser.parse_args(argv)
     try:
@@ -148,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg.data.url = os.path.abspath(cfg.data.url)
         if "://" not in cfg.train.run_root:
             cfg.train.run_root = os.path.abspath(cfg.train.run_root)
+        if args.repeats < 1 or (args.repeats > 1 and cfg.objective.name != "css_lm"):
+            raise ConfigError("--repeats: a number >= 1, and above 1 only for the css_lm recipe")
+        if cfg.objective.name == "css_lm":
+            return run_css_lm(cfg, args.repeats)
         run = run_url(cfg)
         storage.check_bucket(run)
         resume = resolve_resume(cfg, run)

@@ -20,11 +20,15 @@ import tempfile
 import zlib
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import cli
 from data_prep.shards import MANIFEST, read_manifest
+
+if TYPE_CHECKING:  # imported where used: transformers is slow to import
+    from transformers import PreTrainedTokenizerFast
 
 # BERT-style specials with fixed ids. [PAD]/[UNK] are spm's own meta pieces; [CLS]/[SEP]/[MASK]
 # are control symbols: they own ids 2-4 but spm never produces them from text (the HF tokenizer

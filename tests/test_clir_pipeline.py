@@ -3,7 +3,6 @@ dumps + langlinks SQL → 2 Ray Train workers running the clir recipe under Deep
 alternating per language pair) → TensorBoard → export (encoder + reranker) → `clsys.evaluate --xling`."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

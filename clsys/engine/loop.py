@@ -34,7 +34,7 @@ def local_tensorboard_dir(cfg: Config) -> str:
     run = storage.parse(run_url(cfg))
     if run.scheme == "file":
         return os.path.join(run.path, "tensorboard")
-    return tempfile.mkdtemp(prefix=f"clsys-tensorboard-{cfg.train.name}-")
+    return tempfile.mkdtemp(prefix=f"clsys-tensorboard-{cfg.train.name.replace('/', '-')}-")
 
 
 def _choose_resume(run: str, requested: str | None) -> str | None:

@@ -2,7 +2,8 @@
 
 This is the objective core: the model, both stages' losses, the per-step retrieval and
 classification. Running stage A, building the bank (stage B), stage C and the per-epoch dev/test
-evaluation belong to the pipeline that drives it.
+evaluation belong to the pipeline that drives it (``clsys.engine.css_pipeline``). ``method:
+finetune`` is the plain fine-tuning baseline: stage A with the CE loss alone.
 
 Model (§3.2). Every input ``[CLS] x [SEP]`` (``<s> x </s>``) gives two views from the last layer
 (``two_views``): the class view u at the first token and the domain view v at the final separator.
@@ -39,9 +40,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -55,10 +58,12 @@ from clsys.retrieval_bank import (GroupLayout, RetrievalBank, distributed_top_k,
                                   sample_rank_positions, top_k, two_views)
 
 STAGES = ("warmup", "css")
+METHODS = ("css_lm", "finetune")
 
 
 @dataclass
 class CSSLMConfig(ObjectiveConfig):
+    method: str = "css_lm"  # css_lm (stages A, B, C) or finetune: CE on the task head only (the baseline)
     stage: str = "warmup"  # warmup (stage A: CE + pairwise heads) or css (stage C: retrieval every step)
     num_labels: int = 0  # classes of the task; the pipeline sets it from the training data
     k: int = 16  # sentences retrieved per query (and rank positions drawn per step)
@@ -68,6 +73,13 @@ class CSSLMConfig(ObjectiveConfig):
     detach_after_micro_steps: int = 0  # stage A: C and D get detached views after this many forwards; 0 = never
     classifier_dropout: float = 0.1  # both dropouts of the task head
     bank_chunk_rows: int = 65536  # bank rows scored at once during retrieval
+    bank_refresh_every: int = 0  # stage C: re-encode the bank with the current model every N steps (0 = static, §3.3)
+
+
+def task_head(hidden_size: int, num_labels: int, dropout: float) -> nn.Sequential:
+    """The classifier over [u; v] (§3.2): dropout → Linear(2d→2d) → tanh → dropout → Linear(2d→C)."""
+    d2 = 2 * hidden_size
+    return nn.Sequential(nn.Dropout(dropout), nn.Linear(d2, d2), nn.Tanh(), nn.Dropout(dropout), nn.Linear(d2, num_labels))
 
 
 def _distributed() -> bool:
@@ -104,13 +116,15 @@ class CSSLM(Objective):
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: CSSLMConfig = cfg.objective
-        checks = [("stage", oc.stage in STAGES, " or ".join(STAGES)),
+        checks = [("method", oc.method in METHODS, " or ".join(METHODS)),
+                  ("stage", oc.stage in STAGES, " or ".join(STAGES)),
                   ("num_labels", oc.num_labels >= 2, ">= 2 (the pipeline sets it from the task's training data)"),
                   ("k", oc.k >= 1, ">= 1"),
                   ("domain_negatives", oc.domain_negatives >= 1, ">= 1"),
                   ("detach_after_micro_steps", oc.detach_after_micro_steps >= 0, ">= 0 (0 = never detach)"),
                   ("classifier_dropout", 0.0 <= oc.classifier_dropout < 1.0, "in [0, 1)"),
-                  ("bank_chunk_rows", oc.bank_chunk_rows >= 1, ">= 1")]
+                  ("bank_chunk_rows", oc.bank_chunk_rows >= 1, ">= 1"),
+                  ("bank_refresh_every", oc.bank_refresh_every >= 0, ">= 0 (0 = a static bank)")]
         for key, ok, expected in checks:
             if not ok:
                 raise ValueError(f"objective.{key}: expected {expected}, got {getattr(oc, key)!r}")
@@ -121,8 +135,7 @@ class CSSLM(Objective):
         self.oc = oc
         self.model = build_encoder(cfg.model, tokenizer)
         d = self.model.config.hidden_size
-        self.task_head = nn.Sequential(nn.Dropout(oc.classifier_dropout), nn.Linear(2 * d, 2 * d), nn.Tanh(),
-                                       nn.Dropout(oc.classifier_dropout), nn.Linear(2 * d, oc.num_labels))
+        self.task_head = task_head(d, oc.num_labels, oc.classifier_dropout)
         self.class_scorer = nn.Linear(2 * d, 2)  # C on [u_a; u_b]
         self.domain_scorer = nn.Linear(2 * d, 2)  # D on [v_a; v_b]
         self.dc_scorer = nn.Linear(4 * d, 2)  # DC on [v_a; v_b; u_a; u_b]
@@ -185,12 +198,16 @@ class CSSLM(Objective):
         with self._eval_mode():
             return self._views(input_ids, attention_mask)
 
+    def classify_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Task logits [B, num_labels] from the head over [u; v]."""
+        u, v = self._views(input_ids, attention_mask)
+        return self.task_head(torch.cat([u, v], -1))
+
     @torch.no_grad()
     def classify(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Task logits [B, num_labels] in eval mode, for dev/test accuracy."""
+        """Task logits in eval mode (dropout off), for dev/test accuracy."""
         with self._eval_mode():
-            u, v = self._views(input_ids, attention_mask)
-            return self.task_head(torch.cat([u, v], -1))
+            return self.classify_train(input_ids, attention_mask)
 
     # ---- training -----------------------------------------------------------------------------
 
@@ -208,6 +225,10 @@ class CSSLM(Objective):
 
     def _warmup_forward(self, batch: dict[str, torch.Tensor], count: int) -> LossOutput:
         labels = batch["labels"]
+        if self.oc.method == "finetune":
+            logits = self.classify_train(batch["input_ids"], batch["attention_mask"])
+            ce = F.cross_entropy(logits, labels)
+            return LossOutput(ce, {"loss": ce.detach(), "accuracy": (logits.argmax(-1) == labels).float().mean()})
         expected = labels.shape[0] * self.oc.domain_negatives
         if batch["corpus_input_ids"].shape[0] != expected:
             raise ValueError(f"stage A needs objective.domain_negatives = {self.oc.domain_negatives} corpus "
@@ -258,7 +279,9 @@ class CSSLM(Objective):
             raise ValueError(f"bank token_ids need 1..{self.cfg.data.max_length} (data.max_length) ids a row, "
                              f"got {int(lengths.min())}..{int(lengths.max())}")
         self.bank = local_bank
-        self._bank_tokens = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+        # One flat array without an intermediate Python list: a million-row shard has tens of millions of ids.
+        self._bank_tokens = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64,
+                                                         count=int(lengths.sum())))
         self._bank_starts = F.pad(lengths.cumsum(0), (1, 0))
 
     def rank_positions(self, count: int) -> torch.Tensor:

@@ -163,7 +163,7 @@ def page_xml(page_id: int, title: str, text: str, redirect: str | None = None) -
 
 def dump_xml(lang: str, pages: list[PageOut]) -> str:
     ns = NAMESPACES[lang]
-    namespaces = [f'      <namespace key="0" case="first-letter" />'] + [
+    namespaces = ['      <namespace key="0" case="first-letter" />'] + [
         f'      <namespace key="{key}" case="first-letter">{name}</namespace>' for key, name in sorted(ns.items())]
     head = (f'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/" '
             f'xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance" '
