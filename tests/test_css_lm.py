@@ -45,6 +45,10 @@ def make(tiny: str, seed: int = 0, **objective) -> CSSLM:
     return CSSLM(cfg, load_tokenizer("all-MiniLM-L6-v2"))
 
 
+def corpus_batch(objective: CSSLM, texts: list[str]) -> dict[str, torch.Tensor]:
+    return objective.collate([{"txt": t} for t in texts])
+
+
 def nll(logits: torch.Tensor, target: int) -> torch.Tensor:
     return -torch.log_softmax(logits, 0)[target]
 
@@ -94,8 +98,8 @@ def test_registered_and_interface(tiny):
     objective = make(tiny)
     assert CSSLM.streams(objective.cfg) == ["sentences"] and objective.export_pooling() == "cls"
     assert objective.encoder() is objective.model
-    with pytest.raises(NotImplementedError, match="collate_labeled"):
-        objective.collate([{"txt": "x"}])
+    corpus = objective.collate([{"txt": t, "__key__": str(i)} for i, t in enumerate(CORPUS[:3])])
+    assert torch.equal(corpus["corpus_input_ids"], objective.collate_corpus(CORPUS[:3])["input_ids"])
     batch = objective.collate_labeled(TEXTS[:2], LABELS[:2])
     logits = objective.classify(batch["input_ids"], batch["attention_mask"])
     assert logits.shape == (2, 3) and not logits.requires_grad and objective.training
@@ -134,7 +138,7 @@ def test_warmup_loss_matches_naive_reference(tiny, detach):
 def test_warmup_forward_trains_encoder_and_every_head(tiny):
     objective = make(tiny, domain_negatives=2)
     objective.train()
-    batch = objective.collate_labeled(TEXTS[:4], LABELS[:4], CORPUS[:8])
+    batch = objective.collate_labeled(TEXTS[:4], LABELS[:4], corpus_batch(objective, CORPUS[:8]))
     # The views sit on [CLS] and on the final [SEP] of every (right-padded) row.
     last = batch["attention_mask"].sum(1) - 1
     assert (batch["input_ids"][:, 0] == objective.tokenizer.cls_token_id).all()
@@ -150,7 +154,7 @@ def test_warmup_forward_trains_encoder_and_every_head(tiny):
                    objective.dc_scorer):
         assert grad_norm(module) > 0
     with pytest.raises(ValueError, match="domain_negatives"):
-        objective(objective.collate_labeled(TEXTS[:4], LABELS[:4], CORPUS[:6]))
+        objective(objective.collate_labeled(TEXTS[:4], LABELS[:4], corpus_batch(objective, CORPUS[:6])))
 
 
 def test_detach_switch_after_micro_steps_and_across_resume(tiny):
@@ -160,7 +164,7 @@ def test_detach_switch_after_micro_steps_and_across_resume(tiny):
     with torch.no_grad():
         for p in (*objective.task_head[-1].parameters(), *objective.dc_scorer.parameters()):
             p.zero_()
-    batch = objective.collate_labeled(TEXTS[:4], LABELS[:4], CORPUS[:8])
+    batch = objective.collate_labeled(TEXTS[:4], LABELS[:4], corpus_batch(objective, CORPUS[:8]))
 
     def step(model: CSSLM) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)

@@ -89,10 +89,6 @@ def epoch_rows(examples: int, batch_size: int, seed: int, epoch: int) -> list[in
     return [order[i % examples] for i in range(steps * batch_size)]
 
 
-def _corpus_batch(samples: list[dict]) -> dict:
-    return {"texts": [s["txt"] for s in samples]}
-
-
 @torch.no_grad()
 def accuracy(objective: CSSLM, data: LabeledSet, cfg: Config, device) -> float:
     """Collective: accuracy of the task head on ``data``, each rank classifying every world-th example."""
@@ -179,8 +175,9 @@ class Worker:
             from clsys.data.streaming import ShardLoader
 
             d = cfg.data
+            # Tokenised in the loader's worker processes by the objective's collate.
             corpus = iter(ShardLoader(self.corpus, self.rank, self.world, micro * cfg.objective.domain_negatives,
-                                      _corpus_batch, cfg.train.seed, d.loader_workers, d.shuffle_buffer,
+                                      objective.collate, cfg.train.seed, d.loader_workers, d.shuffle_buffer,
                                       d.verify_checksums, d.on_bad_sample))
         epochs = cfg.train.steps // math.ceil(len(self.task.train) / cfg.train.batch_size)
         history, best, best_state = [], None, None
@@ -193,7 +190,7 @@ class Worker:
                     mine = rows[first:first + micro]
                     texts = [self.task.train.texts[i] for i in mine]
                     labels = [self.task.train.labels[i] for i in mine]
-                    batch = objective.collate_labeled(texts, labels, next(corpus)["texts"] if corpus else None)
+                    batch = objective.collate_labeled(texts, labels, next(corpus) if corpus else None)
                     output = engine({k: v.to(self.device) for k, v in batch.items()})
                     engine.backward(output.loss)
                     engine.step()
@@ -216,6 +213,8 @@ class Worker:
                 if self.rank == 0:  # ZeRO 0-2: every rank holds the whole model
                     best_state = _cpu_copy(objective)
             self.log(f"{label} epoch {epoch + 1}/{epochs}: dev {dev:.4f} test {test:.4f}" + (" (best dev)" if improved else ""))
+        if corpus is not None:
+            corpus.close()  # stops the loader's worker processes now
         self.tb.flush()
         if self.tb_sync is not None:
             self.tb_sync.sync()

@@ -158,24 +158,24 @@ class CSSLM(Objective):
                                    return_tensors="pt", return_token_type_ids=False))
 
     def collate_labeled(self, texts: list[str], labels: list[int],
-                        corpus_texts: list[str] | None = None) -> dict[str, torch.Tensor]:
+                        corpus: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """A training batch. Stage A also needs ``domain_negatives`` corpus sentences per text, query
-        after query (query i's are ``corpus_texts[i·n:(i+1)·n]``)."""
+        after query (query i's are rows i·n … (i+1)·n − 1 of ``corpus``, a ``collate`` output)."""
         if len(texts) != len(labels):
             raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
         batch = {**self._tokenize(texts), "labels": torch.tensor(labels, dtype=torch.long)}
-        if corpus_texts is not None:
-            corpus = self._tokenize(corpus_texts)
-            batch.update(corpus_input_ids=corpus["input_ids"], corpus_attention_mask=corpus["attention_mask"])
+        if corpus is not None:
+            batch.update(corpus_input_ids=corpus["corpus_input_ids"], corpus_attention_mask=corpus["corpus_attention_mask"])
         return batch
 
-    def collate_corpus(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """Unlabeled sentences for ``encode_views`` (the bank builder)."""
-        return self._tokenize(texts)
-
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("CSS-LM batches pair labelled few-shot texts with corpus sentences: the CSS-LM "
-                                  "pipeline builds them with collate_labeled / collate_corpus")
+        """Corpus sentences (``sentences`` shard samples) → stage A's domain negatives; runs in loader workers."""
+        corpus = self._tokenize([s["txt"] for s in samples])
+        return {"corpus_input_ids": corpus["input_ids"], "corpus_attention_mask": corpus["attention_mask"]}
+
+    def collate_corpus(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """Unlabeled sentences for ``encode_views`` (the bank builder) and for classification."""
+        return self._tokenize(texts)
 
     # ---- views and classification -------------------------------------------------------------
 
