@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -65,11 +66,16 @@ def main() -> None:
 
     print(f"\n{args.task}, 16 per class, all-MiniLM-L6-v2, {args.seeds} seeds, {args.workers} worker(s): "
           f"test accuracy ×100 at the best dev epoch")
-    print(f"{'method':<10} {'mean':>6} {'std':>6}   per seed{'':<30} wall (this run)")
+    print(f"{'method':<22} {'mean':>6} {'std':>6}   per seed{'':<30} wall (this run)")
+
+    def line(name: str, tests: list[float], seconds: str) -> None:
+        mean, std = statistics.mean(tests), statistics.stdev(tests) if len(tests) > 1 else 0.0
+        print(f"{name:<22} {100 * mean:>6.2f} {100 * std:>6.2f}   {' '.join(f'{100 * t:5.1f}' for t in tests):<38} {seconds}")
+
     for method, summary, seconds in rows:
-        per_seed = " ".join(f"{100 * s['test_accuracy']:5.1f}" for s in summary["seeds"])
-        print(f"{method:<10} {100 * summary['test_accuracy_mean']:>6.2f} {100 * summary['test_accuracy_std']:>6.2f}"
-              f"   {per_seed:<38} {seconds:>7.0f} s")
+        line(method, [s["test_accuracy"] for s in summary["seeds"]], f"{seconds:>7.0f} s")
+        if method == "css_lm":  # its stage A alone: fine-tuning plus the pairwise heads' losses
+            line("css_lm stage A only", [s["warmup"]["test_accuracy"] for s in summary["seeds"]], "")
     (_, finetune, _), (_, css, _) = rows
     print(f"ratio css_lm_over_finetune_test_accuracy {css['test_accuracy_mean'] / finetune['test_accuracy_mean']:.3f}")
     print(f"ratio css_lm_minus_finetune_test_accuracy_points "
