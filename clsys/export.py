@@ -118,6 +118,16 @@ def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, 
     _save_filled(model, full, folder, tokenizer_dir, "reranker")
 
 
+def publish(folder: str, out: str) -> None:
+    """Put the finished local ``folder`` at ``out``: a local folder replaced whole, or uploaded to s3://."""
+    target = storage.parse(out)
+    if target.scheme == "file":
+        shutil.rmtree(target.path, ignore_errors=True)
+        shutil.copytree(folder, target.path)
+    else:
+        storage.upload_dir(folder, out)
+
+
 def export(checkpoint: str, out: str) -> str:
     """Write the encoder of ``checkpoint`` to ``out`` (local folder or URL); returns the step folder used."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -141,13 +151,7 @@ def export(checkpoint: str, out: str) -> str:
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
             json.dump({"checkpoint": url, "step": meta["step"], "objective": meta["objective"],
                        "pooling": meta["export_pooling"]}, f, indent=2)
-        target = storage.parse(out)
-        if target.scheme == "file":
-            if os.path.exists(target.path):
-                shutil.rmtree(target.path)
-            shutil.copytree(folder, target.path)
-        else:
-            storage.upload_dir(folder, out)
+        publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return url

@@ -117,10 +117,10 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
 
 def _task_path(path: str) -> str:
     """A task file as given (relative to the working folder), else relative to the clsys checkout."""
-    if not path or "://" in path or os.path.exists(path):
-        return os.path.abspath(path) if path and "://" not in path else path
+    if "://" in path:
+        return path
     bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-    return bundled if os.path.exists(bundled) else os.path.abspath(path)
+    return bundled if not os.path.exists(path) and os.path.exists(bundled) else os.path.abspath(path)
 
 
 def run_css_lm(cfg: Config, repeats: int) -> int:

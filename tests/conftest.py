@@ -104,3 +104,15 @@ def s3_auth_server():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> str:
+    """The architecture of a 1-layer BERT (hidden 32, 64 positions) for model.init=scratch, with the
+    packaged tokenizer: CSS-LM's tests."""
+    from transformers import BertConfig
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=64).save_pretrained(folder)
+    return str(folder)

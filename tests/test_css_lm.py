@@ -25,17 +25,6 @@ LABELS = [2, 0, 1, 2, 0, 1]
 CORPUS = [f"corpus sentence number {i} about topic {i % 3}" for i in range(40)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    """The architecture of a 1-layer BERT (hidden 32), built from scratch with the packaged tokenizer."""
-    from transformers import BertConfig
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    BertConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               max_position_embeddings=64).save_pretrained(folder)
-    return str(folder)
-
-
 def make(tiny: str, seed: int = 0, **objective) -> CSSLM:
     cfg = Config(objective=CSSLMConfig(name="css_lm", **{"num_labels": 3, "classifier_dropout": 0.0, **objective}))
     # Dropout off everywhere: training-mode forwards are then deterministic and comparable to references.

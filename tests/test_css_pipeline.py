@@ -105,16 +105,6 @@ def test_repeats_is_only_for_css_lm(capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    from transformers import BertConfig
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               max_position_embeddings=64).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def small_task(tmp_path_factory) -> dict[str, str]:
     """SST-5's training file as it ships, dev and test cut to 40 and 60 rows and written as JSONL."""
     out = tmp_path_factory.mktemp("task")

@@ -316,7 +316,7 @@ class Worker:
 def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> None:
     """``out``: the encoder as a Hugging Face / sentence-transformers folder (CLS pooling: the class
     view u), plus ``task_head.safetensors`` and ``classifier.json``: ``clsys.classify`` reads them."""
-    from clsys.export import write_model
+    from clsys.export import publish, write_model
 
     cfg = objective.cfg
     work = tempfile.mkdtemp(prefix="clsys-css-export-")
@@ -329,12 +329,7 @@ def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> Non
         with open(os.path.join(folder, "classifier.json"), "w") as f:
             json.dump({"labels": label_names, "max_length": cfg.data.max_length, "method": cfg.objective.method,
                        "seed": cfg.train.seed}, f, indent=2)
-        target = storage.parse(out)
-        if target.scheme == "file":
-            shutil.rmtree(target.path, ignore_errors=True)
-            shutil.copytree(folder, target.path)
-        else:
-            storage.upload_dir(folder, out)
+        publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
