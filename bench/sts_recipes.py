@@ -46,13 +46,14 @@ def cls_spearman(model_dir: str) -> float:
     return evaluate_sts(load_encoder(model_dir), load_tokenizer(model_dir), test, pooling="cls")["spearman"]
 
 
-def step_time(run_dir: str) -> float:
-    """Mean seconds per optimizer step that the run logged (perf/step_time_s), evaluations excluded."""
+def step_time(run_dir: str, skip: int = 0) -> float:
+    """Mean seconds per optimizer step that the run logged (perf/step_time_s), evaluations excluded,
+    leaving out the first ``skip`` logged intervals (warm-up)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
     events.Reload()
-    values = [e.value for e in events.Scalars("perf/step_time_s")]
+    values = [e.value for e in events.Scalars("perf/step_time_s")][skip:]
     return sum(values) / len(values)
 
 
@@ -73,7 +74,9 @@ def sts_sentence_stream(out: str) -> str:
     return out
 
 
-def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float, seed: int, out: str) -> float:
+def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float, seed: int, out: str,
+                                 warmup: int = 0) -> float:
+    """Seconds for the steps after the first ``warmup`` ones; the trained model is saved to ``out``."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
@@ -92,6 +95,8 @@ def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float,
     model.train()
     start = time.perf_counter()
     for step in range(steps):
+        if step == warmup:
+            start = time.perf_counter()
         texts = sentences[step * batch % len(sentences):][:batch]
         features = [model.preprocess(texts), model.preprocess(texts)]  # two forwards: two dropout masks
         value = loss(features, None)

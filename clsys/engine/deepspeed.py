@@ -33,7 +33,9 @@ def ds_config(cfg: Config, load_universal: bool = False) -> dict:
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
+        # bf16: the engine runs forward under torch.autocast; weights, gradients and AdamW stay fp32.
+        "torch_autocast": {"enabled": t.precision == "bf16", "dtype": "bfloat16"},
+        "bf16": {"enabled": t.precision == "bf16_weights"},
         # Our optimizer is a plain torch AdamW (DeepSpeed's fused one needs CUDA kernels).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -53,19 +55,40 @@ def lr_lambda(cfg: Config):
     return factor
 
 
+def compile_models(objective: torch.nn.Module) -> None:
+    """torch.compile the objective's Hugging Face models (encoder, frozen teacher) in place.
+
+    In place (``Module.compile``), so parameter names, checkpoints and export are unchanged; the
+    objective's own glue (pooling, loss, gathers) stays eager, where collectives and data-dependent
+    shapes would break the graph anyway."""
+    from transformers import PreTrainedModel
+
+    for module in objective.modules():
+        if isinstance(module, PreTrainedModel):
+            module.compile()
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = False):
     """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out).
 
     ``load_universal``: the checkpoint it will restore was written by another number of ranks."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    # On the device before the optimizer exists, so that a fused optimizer sees device tensors.
+    device = torch.device(get_accelerator().current_device_name())
+    model.to(device)
+    if cfg.train.compile:
+        compile_models(model)
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:  # frozen parts (teacher, BERT_F, frozen embeddings) stay out of the optimizer
             # As in BERT and the HF Trainer: no weight decay on biases and LayerNorm weights.
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
+    # On GPU the fused AdamW (one kernel for all tensors); DeepSpeed's own fused Adam needs a CUDA build.
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg, load_universal))

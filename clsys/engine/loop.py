@@ -113,7 +113,7 @@ def train_worker(payload: dict) -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     # Fault tooling and operators find a rank's process by this line (tests/faults.py).
-    print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}", flush=True)
+    print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads", flush=True)
     resume = _choose_resume(run, payload.get("resume"))
     saved_world = checkpoint.saved_world_size(resume) if resume else world
     engine = build_engine(objective, cfg, load_universal=saved_world != world)

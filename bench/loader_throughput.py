@@ -1,0 +1,140 @@
+"""Training loader throughput from file:// and from an S3 server, against the training step's consumption.
+
+    python bench/loader_throughput.py [--batches 150] [--steps 10] [--batch 64] [--max-length 32]
+
+The loader is the one every training rank runs (``clsys.data.streaming.ShardLoader``: shard listing,
+sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective's ``collate`` in the
+DataLoader worker processes), here for unsupervised SimCSE on all-MiniLM-L6-v2 over the bundled
+Wikipedia sample's sentence shards (written by ``data_prep wiki`` if missing), once from the local
+folder and once from a moto S3 server started on 127.0.0.1 (shards uploaded first), with 1 and 2
+loader workers. Its rate is samples/s over --batches batches after the first (the first batch, start-up
+included, is reported apart). Consumption: one rank's SimCSE training steps (forward of both views,
+backward, AdamW) on the same batches in this process, samples/s over --steps steps after one warm-up.
+Both use all cores here in turn; in training they share them. Prints a table, then ``ratio`` lines
+(loader samples/s ÷ training samples/s; target ≥ 10). Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from clsys import storage  # noqa: E402
+from clsys.config import load_config  # noqa: E402
+from clsys.data.streaming import ShardLoader  # noqa: E402
+from clsys.model.encoder import load_tokenizer  # noqa: E402
+from clsys.objectives import OBJECTIVES  # noqa: E402
+
+SHARDS = REPO / "runs" / "shards" / "enwiki-sample"
+
+
+def moto_server() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    return proc, endpoint
+
+
+def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
+    """(seconds to the first batch, samples/s over the next --batches batches)."""
+    loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=workers)
+    start = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    samples = sum(len(next(batches)["keys"]) for _ in range(args.batches))
+    rate = samples / (time.perf_counter() - start)
+    del batches  # stops the worker processes
+    return first, rate
+
+
+def training_rate(url: str, objective, args) -> float:
+    loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=1)
+    batches = iter(loader)
+    held = [next(batches) for _ in range(args.steps + 1)]
+    del batches
+    optimizer = torch.optim.AdamW(objective.parameters(), lr=3e-5)
+    objective.train()
+
+    def step(batch):
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        objective(batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(held[0])
+    start = time.perf_counter()
+    for batch in held[1:]:
+        step(batch)
+    return args.steps * args.batch / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=64, help="sentences per batch (one rank's micro-batch)")
+    parser.add_argument("--max-length", type=int, default=32)
+    args = parser.parse_args()
+
+    if not (SHARDS / "sentences" / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input",
+                        *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))), "--out", str(SHARDS),
+                        "--shard-size-mb", "4"], cwd=REPO, check=True)
+    local = f"file://{SHARDS / 'sentences'}"
+    cfg = load_config("quickstart", [f"data.max_length={args.max_length}", "model.dropout=0.1"])
+    torch.manual_seed(0)
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.name))
+
+    proc, endpoint = moto_server()
+    try:
+        storage.s3_client().create_bucket(Bucket="bench")
+        remote = "s3://bench/shards/sentences"
+        storage.upload_dir(str(SHARDS / "sentences"), remote)
+        rows = []
+        for source, url in (("file://", local), (f"s3 ({endpoint})", remote)):
+            for workers in (1, 2):
+                first, rate = loader_rate(url, objective, args, workers)
+                rows.append((source, workers, first, rate))
+        consumption = training_rate(local, objective, args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+    print(f"\nSimCSE, all-MiniLM-L6-v2, batch {args.batch}, max length {args.max_length}, {torch.get_num_threads()} "
+          f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step)")
+    print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10}")
+    for source, workers, first, rate in rows:
+        print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f}")
+    print()
+    for source, workers, _, rate in rows:
+        name = "file" if source.startswith("file") else "s3"
+        print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The step's precision modes and ``train.compile`` on real DeepSpeed engines (CPU, gloo, one rank).
+
+- ``train.precision: bf16``: DeepSpeed's torch autocast: the encoder computes in bf16 while weights,
+  gradients and AdamW stay fp32 (the GPU default since the MFU benchmark, bench/gpu_mfu.py);
+- ``bf16_weights``: DeepSpeed's bf16 mode, the weights themselves in bf16;
+- ``fp32``: everything fp32;
+- ``train.compile: true``: the Hugging Face encoder runs through torch.compile (inductor, CPU here) and
+  gives the eager step's loss and weights.
+Each case runs in a spawned process with its own process group, so nothing leaks into pytest's.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import free_port
+
+SENTENCES = ["A cat sits on the mat.", "Stocks fell sharply on Monday.", "The river floods every spring.",
+             "She plays the violin.", "Rain is expected tomorrow.", "He fixed the old bicycle.",
+             "The museum opens at nine.", "Bread rises in a warm kitchen."]
+
+
+def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
+    from clsys.config import load_config
+    from clsys.engine.deepspeed import build_engine, init_distributed
+    from clsys.model.encoder import load_tokenizer
+    from clsys.objectives import OBJECTIVES
+
+    init_distributed()
+    cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
+                             "model.tokenizer=all-MiniLM-L6-v2", "model.dropout=0", "cluster.num_workers=1",
+                             "train.batch_size=8", "train.zero_stage=2", "optim.lr=1e-3", *overrides])
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    objective = OBJECTIVES["simcse"](cfg, tokenizer)
+    before = {k: v.detach().float().clone() for k, v in objective.model.state_dict().items()}
+    hidden_dtypes = []
+    objective.model.encoder.layer[0].output.dense.register_forward_hook(
+        lambda module, args, output: hidden_dtypes.append(output.dtype))
+    engine = build_engine(objective, cfg)
+    engine.train()
+    batch = objective.collate([{"txt": s} for s in SENTENCES])
+    losses = []
+    for _ in range(2):
+        loss = engine(batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    after = {k: v.detach().float() for k, v in objective.model.state_dict().items()}
+    out.update(losses=losses, param_dtypes={str(p.dtype) for p in objective.model.parameters()},
+               hidden_dtypes={str(d) for d in hidden_dtypes},
+               changed=sum(not torch.equal(before[k], after[k]) for k in before),
+               compiled=getattr(objective.model, "_compiled_call_impl", None) is not None,
+               weights={k: v for k, v in after.items() if k.endswith("query.weight")})
+
+
+def run_step(tiny: str, *overrides: str) -> dict:
+    out = mp.Manager().dict()
+    mp.spawn(_step, args=(free_port(), tiny, list(overrides), out), nprocs=1, join=True)
+    return dict(out)
+
+
+@pytest.fixture(scope="module")
+def fp32_step(tiny) -> dict:
+    return run_step(tiny, "train.precision=fp32")
+
+
+@pytest.mark.parametrize("precision, params, compute", [
+    ("fp32", {"torch.float32"}, {"torch.float32"}),
+    ("bf16", {"torch.float32"}, {"torch.bfloat16"}),
+    ("bf16_weights", {"torch.bfloat16"}, {"torch.bfloat16"}),
+])
+def test_precision_modes(tiny, fp32_step, precision, params, compute):
+    out = fp32_step if precision == "fp32" else run_step(tiny, f"train.precision={precision}")
+    assert out["param_dtypes"] == params
+    assert out["hidden_dtypes"] == compute
+    assert out["changed"] > 0  # the optimizer stepped every weight tensor it owns
+    # The same function in lower precision: the first loss within bf16's rounding of the fp32 one.
+    torch.testing.assert_close(out["losses"][0], fp32_step["losses"][0], rtol=2e-2, atol=0)
+
+
+def test_compiled_step_matches_the_eager_step(tiny, fp32_step):
+    eager = fp32_step
+    compiled = run_step(tiny, "train.compile=true")
+    assert compiled["compiled"] and not eager["compiled"]
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=1e-5)
+    for name, weight in eager["weights"].items():
+        torch.testing.assert_close(compiled["weights"][name], weight, rtol=1e-4, atol=1e-5)
