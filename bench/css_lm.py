@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from sample_data import sample_shards
+
 REPO = Path(__file__).resolve().parents[1]
 TASKS = {
     "acl-arc": ("clsys/assets/labeled/acl-arc/train.txt", "clsys/assets/labeled/acl-arc/dev.txt",
@@ -49,9 +51,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra overrides for both arms, e.g. task.epochs=5")
     args = parser.parse_args()
 
-    if not (REPO / SHARDS / "sentences" / "manifest.json").exists():
-        python("-m", "data_prep", "wiki", "--input", *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))),
-               "--out", SHARDS, "--shard-size-mb", "4")
+    sample_shards(REPO / SHARDS)
     train, dev, test = TASKS[args.task]
     rows = []
     for method in ("finetune", "css_lm"):

@@ -36,7 +36,8 @@ from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 from clsys.objectives import OBJECTIVES  # noqa: E402
 
-SHARDS = REPO / "runs" / "shards" / "enwiki-sample"
+sys.path.insert(0, str(REPO / "bench"))
+from sample_data import sample_shards  # noqa: E402
 
 
 def moto_server() -> tuple[subprocess.Popen, str]:
@@ -101,11 +102,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=32)
     args = parser.parse_args()
 
-    if not (SHARDS / "sentences" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input",
-                        *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))), "--out", str(SHARDS),
-                        "--shard-size-mb", "4"], cwd=REPO, check=True)
-    local = f"file://{SHARDS / 'sentences'}"
+    shards = sample_shards()
+    local = f"file://{shards / 'sentences'}"
     cfg = load_config("quickstart", [f"data.max_length={args.max_length}", "model.dropout=0.1"])
     torch.manual_seed(0)
     objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.name))
@@ -114,7 +112,7 @@ def main() -> None:
     try:
         storage.s3_client().create_bucket(Bucket="bench")
         remote = "s3://bench/shards/sentences"
-        storage.upload_dir(str(SHARDS / "sentences"), remote)
+        storage.upload_dir(str(shards / "sentences"), remote)
         rows = []
         for source, url in (("file://", local), (f"s3 ({endpoint})", remote)):
             for workers in (1, 2):

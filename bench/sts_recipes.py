@@ -31,6 +31,7 @@ from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
 from clsys.evaluate import STS_ASSETS, evaluate_sts, load_sts, resolve_sts  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
 from data_prep.shards import ShardWriter  # noqa: E402
+from sample_data import sample_shards  # noqa: E402
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -121,9 +122,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-    wiki = os.path.join(out, "shards", "enwiki-sample")
-    run("-m", "data_prep", "wiki", "--input", *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))),
-        "--out", wiki, "--shard-size-mb", "4")
+    wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
     stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"))
     quiet = ["eval.sts_dev=", "eval.sts_test=", f"train.run_root={out}"]
     rows = [("all-MiniLM-L6-v2 (no training)", "-", "-", "-", cls_spearman(MODEL))]

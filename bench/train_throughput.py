@@ -40,9 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from clsys import storage  # noqa: E402
 from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
+from sample_data import SAMPLE_SHARDS as SHARDS, sample_shards  # noqa: E402
 from sts_recipes import MODEL, sentence_transformers_simcse, step_time  # noqa: E402
-
-SHARDS = REPO / "runs" / "shards" / "enwiki-sample"
 
 
 def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int) -> float:
@@ -90,10 +89,7 @@ def main() -> None:
     if args.max_length != 32:
         sys.exit("train_throughput: the sentence-transformers arm (bench/sts_recipes.py) is fixed at max length 32")
 
-    if not (SHARDS / "sentences" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input",
-                        *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))), "--out", str(SHARDS),
-                        "--shard-size-mb", "4"], cwd=REPO, check=True)
+    sample_shards()
     out = str(REPO / args.out)
     subprocess.run(["rm", "-rf", out], check=True)
     # (a) reads the sentences in the order (b) shuffles them to (same seed, same list).
