@@ -20,6 +20,7 @@ GPU is present it says so and measures nothing. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import socket
@@ -161,7 +162,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     single_process_group()
     tokenizer_dir = tempfile.mkdtemp(prefix="clsys-mfu-tokenizer-")
-    config = __import__("json").loads(BERT_BASE.read_text())
+    config = json.loads(BERT_BASE.read_text())
     tokenizer = word_tokenizer(tokenizer_dir, config["vocab_size"])
     print(f"gpu_mfu: {name}, dense bf16 peak {peak:.0f} TFLOP/s, torch {torch.__version__}, BERT-base "
           f"(random init), seq {args.seq}, batch {args.batch}, {args.steps} timed steps after {args.warmup}")

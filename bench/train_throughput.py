@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,7 +92,7 @@ def main() -> None:
 
     sample_shards()
     out = str(REPO / args.out)
-    subprocess.run(["rm", "-rf", out], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     # (a) reads the sentences in the order (b) shuffles them to (same seed, same list).
     sentences = [s["txt"] for shard in load_shards(storage.join(str(SHARDS), "sentences")) for s in read_shard(shard)]
     random.Random(0).shuffle(sentences)

@@ -1,7 +1,7 @@
 """The step's precision modes and ``train.compile`` on real DeepSpeed engines (CPU, gloo, one rank).
 
 - ``train.precision: bf16``: DeepSpeed's torch autocast: the encoder computes in bf16 while weights,
-  gradients and AdamW stay fp32 (the GPU default since the MFU benchmark, bench/gpu_mfu.py);
+  gradients and AdamW stay fp32 (the bf16 mode meant for GPUs);
 - ``bf16_weights``: DeepSpeed's bf16 mode, the weights themselves in bf16;
 - ``fp32``: everything fp32;
 - ``train.compile: true``: the Hugging Face encoder runs through torch.compile (inductor, CPU here) and
