@@ -44,6 +44,11 @@ class ModelConfig:
 
 
 @dataclass
+class GradCacheConfig:
+    chunk_size: int = 0  # > 0: GradCache, encoder rows per chunk (clsys/engine/grad_cache.py); 0 = off
+
+
+@dataclass
 class ObjectiveConfig:
     """Base of every objective's own config dataclass (see ``clsys/objectives``).
 
@@ -52,6 +57,7 @@ class ObjectiveConfig:
     """
 
     name: str = "simcse"
+    grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
 
 
 @dataclass
@@ -172,6 +178,7 @@ class Config:
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
+            ("objective.grad_cache.chunk_size", self.objective.grad_cache.chunk_size >= 0, ">= 0 (0 = off)"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
@@ -241,15 +248,28 @@ def _coerce(key: str, value, tp):
 
 
 def _set(cfg: Config, dotted: str, value) -> None:
-    section_name, _, name = dotted.partition(".")
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    if section_name not in sections or not name:
-        raise ConfigError(f"unknown config key '{dotted}' (sections: {', '.join(sections)})")
-    section = getattr(cfg, section_name)
-    hints = typing.get_type_hints(type(section))
+    """Set ``section.key`` (or ``section.group.key`` for a nested group such as objective.grad_cache)."""
+    *path, name = dotted.split(".")
+    if not path or not name or not path[0]:
+        raise ConfigError(f"unknown config key '{dotted}' (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
+    node, where = cfg, []
+    for part in path:
+        fields = {f.name for f in dataclasses.fields(node)}
+        child = getattr(node, part, None) if part in fields else None
+        if not dataclasses.is_dataclass(child):
+            kind = f"keys of {'.'.join(where)}" if where else "sections"
+            raise ConfigError(f"unknown config key '{dotted}' ({kind}: {', '.join(sorted(fields))})")
+        node, where = child, where + [part]
+    hints = typing.get_type_hints(type(node))
     if name not in hints:
-        raise ConfigError(f"unknown config key '{dotted}' (keys of {section_name}: {', '.join(hints)})")
-    setattr(section, name, _coerce(dotted, value, hints[name]))
+        raise ConfigError(f"unknown config key '{dotted}' (keys of {'.'.join(where)}: {', '.join(hints)})")
+    if dataclasses.is_dataclass(hints[name]):  # a group given whole: a YAML mapping or a to_dict() dict
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: expected a mapping of {', '.join(typing.get_type_hints(hints[name]))}")
+        for key, item in value.items():
+            _set(cfg, f"{dotted}.{key}", item)
+        return
+    setattr(node, name, _coerce(dotted, value, hints[name]))
 
 
 def resolve_recipe(path: str) -> Path:

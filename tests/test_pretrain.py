@@ -90,9 +90,11 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
 
 
 def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_path):
+    """ZeRO-3, bf16 autocast, 2 accumulation micro-steps, and GradCache chunks of 3 rows (8 per micro-step)."""
     # A relative run_root is relative to the driver's folder (Ray workers run elsewhere).
     proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs",
                "train.name=z3", "train.zero_stage=3", "train.precision=bf16", "train.grad_accum=2", "train.steps=3",
+               "objective.grad_cache.chunk_size=3",
                "train.ckpt_every=3", "eval.every=3", cwd=tmp_path)
     assert proc.returncode == 0
     exported = tmp_path / "runs" / "z3" / "export"
@@ -139,10 +141,12 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
 
 
 @pytest.mark.parametrize("recipe,extra", [("simcse_sup", ["objective.mlm_weight=0.1"]),
-                                          ("tacl", ["objective.nsp_weight=1.0"]), ("sg_opt", [])])
+                                          ("tacl", ["objective.nsp_weight=1.0"]),
+                                          ("sg_opt", ["objective.grad_cache.chunk_size=3"])])
 def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, local_shards, tmp_path):
     """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store
-    (SimCSE with its MLM auxiliary on, TaCL with NSP on, so those paths run through DeepSpeed too)."""
+    (SimCSE with its MLM auxiliary on, TaCL with NSP on, SG-OPT with GradCache, so those paths run through
+    DeepSpeed too)."""
     proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, *extra, "train.batch_size=8", "data.max_length=64",
                f"data.url={local_shards}", f"train.run_root={tmp_path}", f"train.name={recipe}", "train.steps=2",
                "train.ckpt_every=2",

@@ -21,6 +21,7 @@ from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
 from clsys.engine import checkpoint
 from clsys.engine.deepspeed import build_engine, init_distributed
+from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.metrics import TensorBoard, Throughput
 from clsys.model.encoder import load_tokenizer
@@ -186,6 +187,7 @@ def train_worker(payload: dict) -> None:
         evaluate(0)
 
     batches = iter(loader)
+    chunk_size = cfg.objective.grad_cache.chunk_size
     meter = Throughput()
     stop_watch = StopWatch(run, cfg.cluster.stop_poll_s)
     while step < cfg.train.steps:
@@ -201,8 +203,11 @@ def train_worker(payload: dict) -> None:
             # Tensors go to the device; anything else (a task tag) passes through.
             batch = {k: v.to(engine.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
-            out = engine(batch)
-            engine.backward(out.loss)
+            if chunk_size:
+                out = grad_cache_backward(engine, batch, chunk_size, cfg.train.grad_accum)
+            else:
+                out = engine(batch)
+                engine.backward(out.loss)
             engine.step()
             tokens = sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask"))
             meter.add(len(keys), tokens, waited)

@@ -21,6 +21,14 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, detached; logged every N steps
 
 
+def add_losses(out: LossOutput, term: LossOutput | None) -> LossOutput:
+    """``out`` plus another loss term: losses summed, metrics merged, ``loss`` the total."""
+    if term is None:
+        return out
+    loss = out.loss + term.loss
+    return LossOutput(loss, {**out.metrics, **term.metrics, "loss": loss.detach()})
+
+
 class Objective(nn.Module):
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
 
@@ -28,6 +36,9 @@ class Objective(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+        if cfg.objective.grad_cache.chunk_size and type(self).embed is Objective.embed:
+            raise ValueError(f"objective.grad_cache: {cfg.objective.name} has no in-batch-negative loss that "
+                             "GradCache can chunk; set objective.grad_cache.chunk_size: 0")
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -67,6 +78,25 @@ class Objective(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         raise NotImplementedError
+
+    # GradCache (clsys/engine/grad_cache.py) needs the loss split in two. An objective supports
+    # ``objective.grad_cache.chunk_size`` when its ``forward(batch, embed=True)`` returns ``embed(batch)``
+    # and it implements these three:
+    def embedding_rows(self, batch: dict[str, torch.Tensor]) -> int:
+        """How many encoder rows the batch has (the dimension GradCache cuts into chunks)."""
+        return batch["input_ids"].shape[0]
+
+    def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows → the embeddings the loss compares, row by row independent (dropout aside)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support objective.grad_cache")
+
+    def embedding_loss(self, embeddings: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """The loss from every row's embedding; no trainable parameter may enter it here."""
+        raise NotImplementedError(f"{type(self).__name__} does not support objective.grad_cache")
+
+    def regularisation(self) -> LossOutput | None:
+        """A loss term of the parameters alone, no rows (SG's L_reg), added to ``embedding_loss``'s."""
+        return None
 
     def encoder(self) -> nn.Module:
         """The Hugging Face model that export saves and evaluation embeds with."""

@@ -37,7 +37,7 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.model.encoder import build_encoder, pool
-from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
 
 
@@ -172,18 +172,19 @@ class SelfGuided(Objective):
         return dict(self.tokenizer([s["txt"] for s in samples], padding=True, truncation=True,
                                    max_length=self.cfg.data.max_length, return_tensors="pt"))
 
-    def regulariser(self) -> torch.Tensor:
-        """L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.
+    def regularisation(self) -> LossOutput:
+        """λ·L_reg, L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.
 
         Frozen tensors of BERT_T equal BERT_F's bitwise and add exactly 0, so only trainable ones are summed.
         BERT_T has no NSP pooler here (build_encoder drops it); it is unused by [CLS] pooling anyway.
         """
         frozen = dict(self.frozen.named_parameters())
-        terms = [(p.float() - frozen[name].float()).pow(2).sum()
-                 for name, p in self.model.named_parameters() if p.requires_grad]
-        return torch.stack(terms).sum()
+        reg = torch.stack([(p.float() - frozen[name].float()).pow(2).sum()
+                           for name, p in self.model.named_parameters() if p.requires_grad]).sum()
+        return LossOutput(self.oc.reg_weight * reg, {"reg": reg.detach()})
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+    def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per sentence [1 + V, P]: f(c) of BERT_T's [CLS], then f of its V layer views of BERT_F."""
         c = self.head(self.model(**batch).last_hidden_state[:, 0])
         with torch.no_grad():
             hidden_states = self.frozen(**batch, output_hidden_states=True).hidden_states
@@ -191,12 +192,18 @@ class SelfGuided(Objective):
         if self.oc.loss != "sg_opt":
             # σ: one layer per sentence, uniform over 0..L (§5.1); only the sampled views are projected.
             layers = torch.randint(0, views.shape[1], (views.shape[0],), device=views.device)
-            views = views[torch.arange(views.shape[0], device=views.device), layers]
-        h = self.head(views)
+            views = views[torch.arange(views.shape[0], device=views.device), layers].unsqueeze(1)
+        return torch.cat([c.unsqueeze(1), self.head(views)], dim=1)
+
+    def embedding_loss(self, z: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
+        c, h = z[:, 0], z[:, 1:] if self.oc.loss == "sg_opt" else z[:, 1]
         contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, gather=self.oc.gather)
-        reg = self.regulariser()
-        loss = contrastive + self.oc.reg_weight * reg
-        return LossOutput(loss, {"loss": loss.detach(), "contrastive": contrastive.detach(), "reg": reg.detach()})
+        return LossOutput(contrastive, {"loss": contrastive.detach(), "contrastive": contrastive.detach()})
+
+    def forward(self, batch: dict[str, torch.Tensor], embed: bool = False) -> LossOutput | torch.Tensor:
+        if embed:
+            return self.embed(batch)
+        return add_losses(self.embedding_loss(self.embed(batch), batch), self.regularisation())
 
     def encoder(self) -> nn.Module:
         return self.model

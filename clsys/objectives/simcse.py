@@ -71,6 +71,9 @@ class SimCSE(Objective):
         if oc.hard_negative_weight and not oc.supervised:
             raise ValueError("objective.hard_negative_weight: only supervised SimCSE has hard negatives "
                              "(set objective.supervised: true)")
+        if oc.grad_cache.chunk_size and oc.mlm_weight:
+            raise ValueError("objective.grad_cache: not with the MLM auxiliary (objective.mlm_weight > 0), whose "
+                             "masked forward is not an in-batch-negative loss; set one of them to 0")
         if oc.mlm_weight:
             # The auxiliary needs an MLM head: the checkpoint's, or a new one tied to the embeddings.
             self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
@@ -98,28 +101,36 @@ class SimCSE(Objective):
             batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
         return batch
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+    def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
         hidden = self.model(**inputs).last_hidden_state
         if self.mlp is not None:
-            z = self.mlp(hidden[:, 0])
-        else:
-            z = pool(hidden, batch["attention_mask"], self.pooler)
+            return self.mlp(hidden[:, 0])
+        return pool(hidden, batch["attention_mask"], self.pooler)
+
+    def embedding_loss(self, z: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
         if self.supervised:
             z1, z2, z3 = z.chunk(3)
         else:
             (z1, z2), z3 = z.chunk(2), None
         loss = info_nce(z1, z2, self.temperature, hard_negatives=z3,
                         hard_negative_weight=self.hard_negative_weight, gather=self.gather)
-        metrics = alignment_uniformity(z1.detach(), z2.detach())
-        if self.mlm_head is not None:
-            metrics["contrastive_loss"] = loss.detach()
-            # The contrastive views see clean text; the MLM sees masked copies with the same attention.
-            masked = self.model(**{**inputs, "input_ids": batch["masked_input_ids"]}).last_hidden_state
-            mlm, metrics["mlm_accuracy"] = masked_lm_loss(self.mlm_head, masked, batch["input_ids"], batch["chosen"])
-            metrics["mlm_loss"] = mlm.detach()
-            loss = loss + self.cfg.objective.mlm_weight * mlm
-        return LossOutput(loss, {"loss": loss.detach(), **metrics})
+        return LossOutput(loss, {"loss": loss.detach(), **alignment_uniformity(z1.detach(), z2.detach())})
+
+    def forward(self, batch: dict[str, torch.Tensor], embed: bool = False) -> LossOutput | torch.Tensor:
+        if embed:
+            return self.embed(batch)
+        out = self.embedding_loss(self.embed(batch), batch)
+        if self.mlm_head is None:
+            return out
+        # The contrastive views see clean text; the MLM sees masked copies with the same attention.
+        inputs = {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
+        masked = self.model(**{**inputs, "input_ids": batch["masked_input_ids"]}).last_hidden_state
+        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, masked, batch["input_ids"], batch["chosen"])
+        loss = out.loss + self.cfg.objective.mlm_weight * mlm
+        metrics = {**out.metrics, "contrastive_loss": out.loss.detach(), "mlm_loss": mlm.detach(),
+                   "mlm_accuracy": mlm_accuracy, "loss": loss.detach()}
+        return LossOutput(loss, metrics)
 
     def encoder(self) -> nn.Module:
         return self.model

@@ -1,0 +1,92 @@
+"""GradCache (Gao et al., 2021): contrastive batches far beyond memory, with the exact gradient.
+
+An in-batch-negative loss couples every row of the batch through the similarity matrix, so plain
+training keeps every row's activations alive until backward: memory grows with the batch. GradCache
+splits the step in three (``objective.grad_cache.chunk_size`` rows at a time):
+  1. embed the batch chunk by chunk without a graph, remembering each chunk's RNG state;
+  2. compute the loss on the cached embeddings (a leaf tensor) and backpropagate to them only: ∂L/∂e;
+  3. embed each chunk again, with a graph, replaying its RNG state so that dropout (and any sampling
+     inside ``embed``) draws the same values, and backpropagate ∂L/∂e through it: the surrogate
+     Σ_rows ⟨e_r, ∂L/∂e_r⟩ has exactly the parameter gradient of L.
+Peak memory: one chunk's graph plus the batch's embeddings; cost: one more forward per step.
+A loss term of the parameters alone (``Objective.regularisation``, SG's L_reg) joins the last chunk's
+surrogate, so it is backpropagated once.
+
+Under DeepSpeed every chunk's backward goes through ``engine.backward`` (ZeRO-2 reduces and partitions
+the gradients as they arrive, as for gradient accumulation), with the accumulation boundary held off
+until the last chunk of the last micro-step; the loop's one ``engine.step`` per micro-step is unchanged.
+The loss of step 2 may gather embeddings across ranks (``gather_with_grad``): its backward's all-reduce
+then runs on every rank in the same order, before any chunk's backward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from clsys.objectives.base import LossOutput, Objective, add_losses
+
+
+def split_rows(batch: dict, rows: int, chunk_size: int) -> list[dict]:
+    """The batch cut into chunks of ``chunk_size`` rows: every tensor whose first dimension is ``rows``
+    is sliced; anything else (a task tag, a per-batch tensor) goes whole with every chunk."""
+    return [{k: v[start:start + chunk_size] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+             for k, v in batch.items()} for start in range(0, rows, chunk_size)]
+
+
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def grad_cache(objective: Objective, batch: dict, chunk_size: int, embed: Callable[[dict], torch.Tensor],
+               backward: Callable[[torch.Tensor, bool], None]) -> LossOutput:
+    """The three GradCache passes over ``batch``: ``embed(chunk)`` gives a chunk's embeddings (the
+    objective's ``embed``, possibly through an engine), ``backward(surrogate, last_chunk)`` backpropagates
+    a chunk's surrogate into the parameters. Returns the loss output (its loss already backpropagated)."""
+    chunks = split_rows(batch, objective.embedding_rows(batch), chunk_size)
+    states, cached = [], []
+    with torch.no_grad():
+        for chunk in chunks:
+            states.append(_rng_state())
+            cached.append(embed(chunk))
+    after = _rng_state()
+    # The loss in float32 at least, whatever the encoder computes in (bf16 autocast).
+    embeddings = torch.cat(cached)
+    embeddings = embeddings.to(torch.promote_types(embeddings.dtype, torch.float32)).requires_grad_()
+    out = objective.embedding_loss(embeddings, batch)
+    out.loss.backward()  # only into the leaf `embeddings` (and through cross-rank gathers)
+    grads = embeddings.grad.split([len(c) for c in cached])
+    for i, (chunk, state, grad) in enumerate(zip(chunks, states, grads)):
+        _set_rng_state(state)  # the same dropout masks as in the first pass
+        embedded = embed(chunk)
+        surrogate = (embedded * grad.to(embedded.dtype)).sum()
+        last = i == len(chunks) - 1
+        regularisation = objective.regularisation() if last else None
+        if regularisation is not None:
+            surrogate = surrogate + regularisation.loss
+            out = add_losses(out, regularisation)
+        backward(surrogate, last)
+    _set_rng_state(after)
+    return out
+
+
+def grad_cache_backward(engine, batch: dict, chunk_size: int, grad_accum: int) -> LossOutput:
+    """One micro-batch's forward and backward through a DeepSpeed engine, in chunks of ``chunk_size`` rows;
+    the caller then calls ``engine.step()`` as usual. ``engine(chunk, embed=True)`` runs ``Objective.embed``
+    inside the engine (autocast, ZeRO-3 parameter gathering)."""
+    engine.set_gradient_accumulation_boundary(None)  # DeepSpeed's own counter decides, as without chunks
+    boundary = engine.is_gradient_accumulation_boundary()
+
+    def backward(surrogate: torch.Tensor, last: bool) -> None:
+        engine.set_gradient_accumulation_boundary(boundary and last)
+        # The loss is a mean over the micro-batch already; 1/grad_accum is what engine.backward would apply.
+        engine.backward(surrogate / grad_accum, scale_wrt_gas=False)
+
+    return grad_cache(engine.module, batch, chunk_size, lambda chunk: engine(chunk, embed=True), backward)
