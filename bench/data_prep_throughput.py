@@ -1,0 +1,269 @@
+"""``data_prep wiki`` against WikiExtractor on one large dump: pages/s, MB/s per core, peak memory.
+
+    python bench/data_prep_throughput.py [--dump-mb 200] [--small-mb 50] [--work-dir /tmp/dpbench]
+
+Needs WikiExtractor in the venv (``pip install wikiextractor``). The dump: the bundled sample's pages
+(data_prep/samples, real enwiki XML) written over and over with fresh page and revision ids until the
+XML is at least --dump-mb MB (1 MB = 10^6 bytes), bz2-compressed as real dumps are (both tools read
+.bz2); it is built once, streamed page by page, and cached in --work-dir with its XML size, page and
+article counts. Both tools run as subprocesses on the same file, with 1 and 2 processes each:
+  data_prep:     ``python -m data_prep wiki --workers N``; N = 1 is one process doing everything,
+                 N > 1 is a main process (bz2 + XML reading, shard writing) feeding N parser processes;
+  WikiExtractor: ``python -m wikiextractor.WikiExtractor --no-templates --quiet --processes N``; always
+                 a main process (bz2 reading, page splitting) and a writer process besides the N
+                 extractor processes, so N = 1 is already 3 processes.
+The "procs" column is the most processes seen at once in each run's tree. Rates are XML MB (and dump
+pages) over wall seconds. Cores are counted two ways: "MB/s/core" divides by the N requested (the
+issue's figure, blind to helper processes); "MB/CPU-s" divides the XML MB by the user + system CPU
+seconds of the whole process tree (from ``os.wait4``, which sums every reaped descendant): the fairer
+figure, and the one least disturbed by other load on the machine. Memory: "tree PSS" is the peak of
+the tree's summed proportional set size (shared pages of forked workers counted once), sampled every
+0.2 s with psutil; "max RSS" is the kernel's peak resident size of the largest single process. An extra
+row times data_prep's reader alone (``DumpReader.pages()``: bz2 + XML, no wikitext parsing), a lower
+bound on the main process's serial share of ``--workers N`` (it also writes the shards). Memory flat in
+dump size: data_prep with 1 process also runs on a --small-mb dump (default a quarter) and its max RSS
+is compared. Peak memory follows the longest page read, so both dumps must hold a whole pass over the
+sample (6.1 MB), and it grows until each stream's first 64 MB shard rolls over (tarfile keeps a header
+object per member of the open shard): the sentence shard after about 10 MB of this dump's XML, the
+passage shard after about 40 MB; from then on it saw-tooths below a bound set by the shard size, so a
+smaller --small-mb reads low. A dump made by repetition has few, long pages (about 36 per MB, half of
+them redirects), so state that grows per article is barely exercised.
+Prints a table, then ``ratio`` lines (targets: data_prep ≥ 2× WikiExtractor per core, big/small
+peak memory ≈ 1). Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import functools
+import importlib.metadata
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil  # installed with deepspeed
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+MB = 10**6
+POLL_S = 0.2  # memory sampling period: often enough for peaks that last seconds, cheap on a busy machine
+ID = re.compile(rb"<id>\d+</id>")
+
+
+@functools.lru_cache(maxsize=1)
+def sample_parts() -> tuple[bytes, list[bytes], bytes]:
+    """The sample's XML (6 MB; the big dump is never held in memory) as (header, pages, footer)."""
+    xml = bz2.decompress(SAMPLE.read_bytes())
+    head_end = xml.index(b"</siteinfo>\n") + len(b"</siteinfo>\n")
+    tail_start = xml.rindex(b"</page>\n") + len(b"</page>\n")
+    pages = [p + b"</page>\n" for p in xml[head_end:tail_start].split(b"</page>\n")[:-1]]
+    return xml[:head_end], pages, xml[tail_start:]
+
+
+def build_dump(path: Path, target_bytes: int) -> dict:
+    """Write the repeated-sample dump to ``path`` (bz2); returns its XML size, pages and articles."""
+    header, pages, footer = sample_parts()
+    # What both tools call an article: namespace 0 and not a redirect.
+    is_article = [b"<ns>0</ns>" in p and b"<redirect" not in p for p in pages]
+
+    page_ids, revision_ids = itertools.count(1), itertools.count(1)
+    xml_bytes, n_pages, n_articles = len(header) + len(footer), 0, 0
+    tmp = path.with_suffix(".partial")
+    with bz2.open(tmp, "wb") as out:
+        out.write(header)
+        for page, article in itertools.cycle(zip(pages, is_article)):
+            if xml_bytes >= target_bytes:
+                break
+            # The page's own <id> comes first; its revision's <id> is the first one after <revision>
+            # (a contributor's <id> follows it). data_prep skips a repeated page id as a duplicate.
+            head, revision = page.split(b"<revision>", 1)
+            page = (ID.sub(b"<id>%d</id>" % next(page_ids), head, count=1) + b"<revision>"
+                    + ID.sub(b"<id>%d</id>" % next(revision_ids), revision, count=1))
+            out.write(page)
+            xml_bytes += len(page)
+            n_pages += 1
+            n_articles += article
+        out.write(footer)
+    tmp.rename(path)
+    return {"xml_bytes": xml_bytes, "pages": n_pages, "articles": n_articles}
+
+
+def dump(work: Path, mb: float) -> tuple[Path, dict]:
+    """The cached dump of at least ``mb`` MB of XML, built first if missing."""
+    path = work / f"enwiki-repeated-{mb:g}MB.xml.bz2"
+    meta_path = path.with_name(path.name + ".json")
+    if not (path.exists() and meta_path.exists()):
+        print(f"building {path} ({mb:g} MB of XML) ...", flush=True)
+        meta_path.write_text(json.dumps(build_dump(path, int(mb * MB))))
+    return path, json.loads(meta_path.read_text())
+
+
+@dataclass
+class Run:
+    """One subprocess run: what it cost and what it said."""
+
+    wall_s: float
+    cpu_s: float  # user + system of the whole process tree
+    max_rss_mb: float  # largest single process
+    tree_pss_mb: float  # peak of the tree's sum, sampled
+    procs: int  # most processes seen at once
+    stdout: str
+
+
+def tree_memory(root: psutil.Process) -> tuple[int, int]:
+    """(summed PSS in bytes, number of processes) of ``root`` and its descendants right now."""
+    total = count = 0
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for proc in procs:
+        try:
+            total += proc.memory_full_info().pss
+            count += 1
+        except psutil.NoSuchProcess:  # a worker that exited between listing and reading
+            pass
+    return total, count
+
+
+def measure(cmd: list[str], log: Path) -> Run:
+    """Run ``cmd`` from the repository root with stdout/stderr to ``log``.{out,err}; exit on failure."""
+    stop = threading.Event()
+    peak = {"pss": 0, "procs": 0}
+    with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err)
+        root = psutil.Process(proc.pid)
+
+        def poll() -> None:
+            while not stop.wait(POLL_S):
+                pss, procs = tree_memory(root)
+                peak["pss"], peak["procs"] = max(peak["pss"], pss), max(peak["procs"], procs)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        # wait4, not Popen.wait: its rusage covers the child and every descendant it reaped (both
+        # tools join their workers), which is the tree's CPU time and its largest process's peak RSS.
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stop.set()
+        poller.join()
+    if proc.returncode != 0:
+        sys.exit(f"data_prep_throughput: {' '.join(cmd)} exited {proc.returncode}:\n"
+                 f"{log.with_suffix('.err').read_text()[-3000:]}")
+    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, peak["pss"] / 2**20,
+               peak["procs"], log.with_suffix(".out").read_text())
+
+
+def run_data_prep(path: Path, workers: int, work: Path) -> tuple[Run, int, int]:
+    """(run, pages read, articles) of ``data_prep wiki``, from its summary line."""
+    out = work / f"data_prep-{workers}w"
+    shutil.rmtree(out, ignore_errors=True)
+    run = measure([sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--out", str(out),
+                   "--workers", str(workers)], out)
+    shutil.rmtree(out)
+    pages, articles = map(int, re.search(r"pages read: (\d+), articles: (\d+)", run.stdout).groups())
+    return run, pages, articles
+
+
+def run_wikiextractor(path: Path, processes: int, work: Path) -> tuple[Run, int]:
+    """(run, articles): the <doc> elements it wrote."""
+    out = work / f"wikiextractor-{processes}p"
+    shutil.rmtree(out, ignore_errors=True)
+    run = measure([sys.executable, "-m", "wikiextractor.WikiExtractor", str(path), "--no-templates", "--quiet",
+                   "--processes", str(processes), "-o", str(out)], out)
+    docs = 0
+    for file in out.rglob("wiki_*"):
+        with open(file, "rb") as f:
+            docs += sum(line.startswith(b"<doc ") for line in f)
+    shutil.rmtree(out)
+    return run, docs
+
+
+def run_reader(path: Path, work: Path) -> tuple[Run, int]:
+    """(run, pages) of data_prep's ``DumpReader`` alone: decompression and XML, nothing else."""
+    code = ("import sys; from data_prep.wiki import DumpReader; "
+            "print(sum(1 for _ in DumpReader(sys.argv[1]).pages()))")
+    run = measure([sys.executable, "-c", code, str(path)], work / "reader")
+    return run, int(run.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump-mb", type=float, default=200, help="XML size of the big dump, MB")
+    parser.add_argument("--small-mb", type=float, help="XML size of the memory-check dump, MB (default: a quarter; "
+                        "at least 6.1, better over 40: see the module docstring)")
+    parser.add_argument("--work-dir", default="/tmp/dpbench", help="cached dumps, outputs and logs")
+    args = parser.parse_args()
+    small_mb = args.small_mb or args.dump_mb / 4
+    # Peak memory follows the longest page read so far: a smaller dump must still hold every page.
+    header, sample_pages, footer = sample_parts()
+    one_pass_mb = (len(header) + sum(map(len, sample_pages)) + len(footer)) / MB
+    if min(small_mb, args.dump_mb) < one_pass_mb:
+        parser.error(f"--dump-mb and --small-mb must be at least {one_pass_mb:.1f} (one pass over the sample)")
+    try:
+        wikiextractor_version = importlib.metadata.version("wikiextractor")
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit("data_prep_throughput: WikiExtractor is missing: pip install wikiextractor")
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    big, big_meta = dump(work, args.dump_mb)
+    small, small_meta = dump(work, small_mb)
+    load = os.getloadavg()[0]
+
+    ours, theirs = {}, {}  # N → (run, pages, articles)
+    for n in (1, 2):
+        ours[n] = run_data_prep(big, n, work)
+    for n in (1, 2):
+        run, docs = run_wikiextractor(big, n, work)
+        theirs[n] = (run, big_meta["pages"], docs)  # it reports no page count: the dump's
+    reader_run, reader_pages = run_reader(big, work)
+    small_run, small_pages, small_articles = run_data_prep(small, 1, work)
+    rows = ([("data_prep wiki", n, *ours[n]) for n in (1, 2)]
+            + [("WikiExtractor --no-templates", n, *theirs[n]) for n in (1, 2)]
+            + [("data_prep reader only", 1, reader_run, reader_pages, None)])
+
+    xml_mb = big_meta["xml_bytes"] / MB
+    print(f"\ndump {big} : {xml_mb:.1f} MB XML, {big_meta['pages']} pages, {big_meta['articles']} articles; "
+          f"WikiExtractor {wikiextractor_version}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
+          f"load average {load:.1f} at start")
+    print(f"{'tool':<29} {'N':>2} {'procs':>5} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'MB/s/core':>9} "
+          f"{'CPU s':>7} {'MB/CPU-s':>8} {'tree PSS MB':>11} {'max RSS MB':>10} {'articles':>8}")
+    for label, n, run, pages, articles in rows:
+        print(f"{label:<29} {n:>2} {run.procs:>5} {run.wall_s:>7.1f} {pages / run.wall_s:>8.1f} "
+              f"{xml_mb / run.wall_s:>6.2f} {xml_mb / run.wall_s / n:>9.2f} {run.cpu_s:>7.1f} "
+              f"{xml_mb / run.cpu_s:>8.2f} {run.tree_pss_mb:>11.0f} {run.max_rss_mb:>10.0f} "
+              f"{'-' if articles is None else articles:>8}")
+    small_xml_mb = small_meta["xml_bytes"] / MB
+    print(f"memory check: data_prep wiki, 1 process, on {small_xml_mb:.1f} MB ({small_articles} articles): "
+          f"max RSS {small_run.max_rss_mb:.0f} MB; on {xml_mb:.1f} MB: {ours[1][0].max_rss_mb:.0f} MB")
+
+    # Every row must have read the whole dump, or its rate means nothing.
+    expected = [(big_meta["pages"], big_meta["articles"])] * 4 + [(big_meta["pages"], None)]
+    wrong = [f"{label} N={n}: {pages} pages, {articles} articles" for (label, n, _, pages, articles), want
+             in zip(rows, expected) if (pages, articles) != want]
+    if (small_pages, small_articles) != (small_meta["pages"], small_meta["articles"]):
+        wrong.append(f"data_prep on the small dump: {small_pages} pages, {small_articles} articles")
+    if wrong:
+        sys.exit(f"data_prep_throughput: expected {big_meta['pages']} pages and {big_meta['articles']} articles "
+                 f"({small_meta['pages']} and {small_meta['articles']} on the small dump), got: " + "; ".join(wrong))
+
+    print()
+    for n in (1, 2):  # same MB and N on both sides: MB/s/core and MB/CPU-s ratios are time ratios
+        print(f"ratio data_prep_over_wikiextractor_per_core_{n}proc {theirs[n][0].wall_s / ours[n][0].wall_s:.2f}")
+        print(f"ratio data_prep_over_wikiextractor_per_cpu_s_{n}proc {theirs[n][0].cpu_s / ours[n][0].cpu_s:.2f}")
+    print(f"ratio data_prep_peak_rss_big_over_small {ours[1][0].max_rss_mb / small_run.max_rss_mb:.2f}")
+
+
+if __name__ == "__main__":
+    main()
