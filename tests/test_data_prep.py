@@ -162,6 +162,30 @@ def test_webdataset_reads_shards(sample_run):
     assert set(first) >= {"__key__", "txt", "json"} and json.loads(first["json"])["page_id"] == 12
 
 
+def test_tar_writer_headers_read_back(tmp_path):
+    """ShardWriter builds ustar headers itself (tarfile.addfile was most of its time): tarfile parses them
+    (checksum included) to the fields written, for edge sizes and non-ASCII names, and reads a shard back."""
+    from data_prep.shards import ShardWriter, ustar_header
+
+    for name, size in [("a.txt", 0), ("en-1-00000.json", 1), ("ü-é-名前.txt", 511), ("x" * 100, 512), ("k.txt", 8**11 - 1)]:
+        info = tarfile.TarInfo.frombuf(ustar_header(name, size), "utf-8", "surrogateescape")
+        assert (info.name, info.size, info.mode, info.uid, info.gid, info.mtime, info.type, info.uname) == \
+               (name, size, 0o644, 0, 0, 0, tarfile.REGTYPE, "")
+    with pytest.raises(ValueError, match="longer than 100 bytes"):
+        ustar_header("é" * 51, 1)
+    samples = [(f"en-{i}-00000", "text " * i + "é", {"title": "Ü" * i}) for i in range(40)]
+    writer = ShardWriter(str(tmp_path / "out"), str(tmp_path), 1 << 30)
+    for sample in samples:
+        writer.write(*sample)
+    writer.close()
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar]
+    assert members == [member for key, text, meta in samples
+                       for member in ((f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
+                                      (f"{key}.txt", text.encode()))]
+    assert writer.shards[0].bytes % tarfile.RECORDSIZE == 0
+
+
 def test_idempotent_rerun(sample_run, tmp_path):
     out, _ = sample_run
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
