@@ -2,11 +2,12 @@
 
     python bench/data_prep_throughput.py [--dump-mb 200] [--small-mb 50] [--work-dir /tmp/dpbench]
 
-Needs WikiExtractor in the venv (``pip install wikiextractor``). The dump: the bundled sample's pages
-(data_prep/samples, real enwiki XML) written over and over with fresh page and revision ids until the
-XML is at least --dump-mb MB (1 MB = 10^6 bytes), bz2-compressed as real dumps are (both tools read
-.bz2); it is built once, streamed page by page, and cached in --work-dir with its XML size, page and
-article counts. Both tools run as subprocesses on the same file, with 1 and 2 processes each:
+Needs WikiExtractor in the venv (``pip install -e '.[bench]'``, or ``pip install wikiextractor``). The
+dump: the bundled sample's pages (data_prep/samples, real enwiki XML) written over and over with fresh
+page and revision ids until the XML is at least --dump-mb MB (1 MB = 10^6 bytes), bz2-compressed as
+real dumps are (both tools read .bz2); it is built once, streamed page by page, and cached in
+--work-dir with its XML size, page and article counts. Both tools run as subprocesses on the same
+file, with 1 and 2 processes each:
   data_prep:     ``python -m data_prep wiki --workers N``; N = 1 is one process doing everything,
                  N > 1 is a main process (bz2 + XML reading, shard writing) feeding N parser processes;
   WikiExtractor: ``python -m wikiextractor.WikiExtractor --no-templates --quiet --processes N``; always
@@ -23,10 +24,7 @@ row times data_prep's reader alone (``DumpReader.pages()``: bz2 + XML, no wikite
 bound on the main process's serial share of ``--workers N`` (it also writes the shards). Memory flat in
 dump size: data_prep with 1 process also runs on a --small-mb dump (default a quarter) and its max RSS
 is compared. Peak memory follows the longest page read, so both dumps must hold a whole pass over the
-sample (6.1 MB), and it grows until each stream's first 64 MB shard rolls over (tarfile keeps a header
-object per member of the open shard): the sentence shard after about 10 MB of this dump's XML, the
-passage shard after about 40 MB; from then on it saw-tooths below a bound set by the shard size, so a
-smaller --small-mb reads low. A dump made by repetition has few, long pages (about 36 per MB, half of
+sample (6.1 MB). A dump made by repetition has few, long pages (about 36 per MB, half of
 them redirects), so state that grows per article is barely exercised.
 Prints a table, then ``ratio`` lines (targets: data_prep ≥ 2× WikiExtractor per core, big/small
 peak memory ≈ 1). Not part of the test suite.
@@ -213,7 +211,8 @@ def main() -> None:
     try:
         wikiextractor_version = importlib.metadata.version("wikiextractor")
     except importlib.metadata.PackageNotFoundError:
-        sys.exit("data_prep_throughput: WikiExtractor is missing: pip install wikiextractor")
+        sys.exit("data_prep_throughput: WikiExtractor is missing: pip install -e '.[bench]' "
+                 "(or pip install wikiextractor)")
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
