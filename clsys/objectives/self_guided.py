@@ -196,7 +196,7 @@ class SelfGuided(Objective):
         return torch.cat([c.unsqueeze(1), self.head(views)], dim=1)
 
     def embedding_loss(self, z: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
-        c, h = z[:, 0], z[:, 1:] if self.oc.loss == "sg_opt" else z[:, 1]
+        c, h = z[:, 0], (z[:, 1:] if self.oc.loss == "sg_opt" else z[:, 1])  # sg_opt: every layer view
         contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, gather=self.oc.gather)
         return LossOutput(contrastive, {"loss": contrastive.detach(), "contrastive": contrastive.detach()})
 
