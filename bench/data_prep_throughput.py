@@ -199,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump-mb", type=float, default=200, help="XML size of the big dump, MB")
     parser.add_argument("--small-mb", type=float, help="XML size of the memory-check dump, MB (default: a quarter; "
-                        "at least 6.1, better over 40: see the module docstring)")
+                        "at least one pass over the sample, 6.1)")
     parser.add_argument("--work-dir", default="/tmp/dpbench", help="cached dumps, outputs and logs")
     args = parser.parse_args()
     small_mb = args.small_mb or args.dump_mb / 4
