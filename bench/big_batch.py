@@ -12,8 +12,9 @@ running 2 steps. Plain starts at 16; GradCache at plain's largest batch (smaller
 and stops at --max-batch, as a GradCache step costs time in proportion to the batch (3 forwards).
 Then the gradient check: GradCache against the full-batch gradient in float64 on a batch that fits
 (plain torch autograd with the data-parallel average, since DeepSpeed reduces fp32/bf16/fp16 gradients
-only; tests/test_grad_cache.py also checks it through ZeRO-1/2 engines to float32 rounding). Prints a table, then ``ratio`` lines
-(target: GradCache's batch ≥ 16× plain's at the same budget). Not part of the test suite.
+only; tests/test_grad_cache.py also checks it through ZeRO-1/2 engines to float32 rounding). Prints a
+table, then ``ratio`` lines (target: GradCache's batch ≥ 16× plain's at the same budget). Not part of
+the test suite.
 """
 from __future__ import annotations
 

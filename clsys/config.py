@@ -251,7 +251,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
     """Set ``section.key`` (or ``section.group.key`` for a nested group such as objective.grad_cache)."""
     *path, name = dotted.split(".")
     if not path or not name or not path[0]:
-        raise ConfigError(f"unknown config key '{dotted}' (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
+        sections = ", ".join(f.name for f in dataclasses.fields(Config))
+        raise ConfigError(f"unknown config key '{dotted}' (sections: {sections})")
     node, where = cfg, []
     for part in path:
         fields = {f.name for f in dataclasses.fields(node)}

@@ -22,7 +22,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, build_encoder, build_masked_lm, pool
-from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
 
@@ -101,9 +101,13 @@ class SimCSE(Objective):
             batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
         return batch
 
+    @staticmethod
+    def _encoder_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch without the MLM auxiliary's masked copies and positions."""
+        return {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
+
     def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
-        hidden = self.model(**inputs).last_hidden_state
+        hidden = self.model(**self._encoder_inputs(batch)).last_hidden_state
         if self.mlp is not None:
             return self.mlp(hidden[:, 0])
         return pool(hidden, batch["attention_mask"], self.pooler)
@@ -124,13 +128,11 @@ class SimCSE(Objective):
         if self.mlm_head is None:
             return out
         # The contrastive views see clean text; the MLM sees masked copies with the same attention.
-        inputs = {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
-        masked = self.model(**{**inputs, "input_ids": batch["masked_input_ids"]}).last_hidden_state
-        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, masked, batch["input_ids"], batch["chosen"])
-        loss = out.loss + self.cfg.objective.mlm_weight * mlm
-        metrics = {**out.metrics, "contrastive_loss": out.loss.detach(), "mlm_loss": mlm.detach(),
-                   "mlm_accuracy": mlm_accuracy, "loss": loss.detach()}
-        return LossOutput(loss, metrics)
+        inputs = {**self._encoder_inputs(batch), "input_ids": batch["masked_input_ids"]}
+        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, self.model(**inputs).last_hidden_state,
+                                           batch["input_ids"], batch["chosen"])
+        return add_losses(out, LossOutput(self.cfg.objective.mlm_weight * mlm, {
+            "contrastive_loss": out.loss.detach(), "mlm_loss": mlm.detach(), "mlm_accuracy": mlm_accuracy}))
 
     def encoder(self) -> nn.Module:
         return self.model
