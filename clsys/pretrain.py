@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="css_lm: run this many seeds (train.seed, +1, ...) and report mean ± std")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards")
     args = parser.parse_args(argv)
+    # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
+    # agent unpacks the working dir into the same shared folder, replacing the one this process is in
+    # (from ray.init on): note it while it exists, and come back to it (re-created) after training.
+    started_in = os.getcwd()
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
@@ -250,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     install_stop_handlers(run)
     init_ray(cfg)
     install_stop_handlers(run)  # again: ray.init installs a SIGTERM handler of its own
-    started_in = os.getcwd()
     train(cfg, resume)
-    # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
-    # agent unpacks the working dir into the same shared folder, replacing the one this process is in.
     os.chdir(started_in if os.path.isdir(started_in) else tempfile.gettempdir())
     latest = checkpoint.complete_checkpoints(run)[-1][0]
     if latest < cfg.train.steps:  # the workers stopped on request

@@ -95,6 +95,10 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
         grads = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters() if p.requires_grad}
     if rank == 0:
         out[way] = (loss.item(), {k: v.detach().clone() for k, v in grads.items()})
+    # Leaving with the gloo group alive can abort the process at exit ("terminate called without an
+    # active exception") once the other rank has gone.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run(tiny: str, objective_kind: str, engine_kind: str, way: str, zero: int = 0, grad_accum: int = 1,
