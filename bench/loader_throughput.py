@@ -1,6 +1,6 @@
 """Training loader throughput from file:// and from an S3 server, against the training step's consumption.
 
-    python bench/loader_throughput.py [--batches 150] [--steps 10] [--batch 64] [--max-length 32]
+    python bench/loader_throughput.py [--batches 150] [--steps 10] [--batch 64] [--max-length 32] [--length-group 16]
 
 The loader is the one every training rank runs (``clsys.data.streaming.ShardLoader``: shard listing,
 sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective's ``collate`` in the
@@ -10,8 +10,10 @@ folder and once from a moto S3 server started on 127.0.0.1 (shards uploaded firs
 loader workers. Its rate is samples/s over --batches batches after the first (the first batch, start-up
 included, is reported apart). Consumption: one rank's SimCSE training steps (forward of both views,
 backward, AdamW) on the same batches in this process, samples/s over --steps steps after one warm-up.
-Both use all cores here in turn; in training they share them. Prints a table, then ``ratio`` lines
-(loader samples/s ÷ training samples/s; target ≥ 10). Not part of the test suite.
+Both use all cores here in turn; in training they share them. The training step is also timed on
+batches grouped by length (``data.length_group_batches`` = --length-group), with the share of padding
+tokens of both. Prints a table, then ``ratio`` lines (loader samples/s ÷ training samples/s, target ≥ 10;
+and grouped ÷ plain training samples/s). Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -73,11 +75,15 @@ def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
     return first, rate
 
 
-def training_rate(url: str, objective, args) -> float:
-    loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=1)
+def training_rate(url: str, objective, args, length_group: int) -> tuple[float, float]:
+    """(samples/s of one rank's training steps, share of the batches' tokens that are padding)."""
+    loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=1,
+                         length_group=length_group)
     batches = iter(loader)
     held = [next(batches) for _ in range(args.steps + 1)]
     del batches
+    masks = [b["attention_mask"] for b in held]
+    padding = sum((m == 0).sum().item() for m in masks) / sum(m.numel() for m in masks)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=3e-5)
     objective.train()
 
@@ -91,7 +97,7 @@ def training_rate(url: str, objective, args) -> float:
     start = time.perf_counter()
     for batch in held[1:]:
         step(batch)
-    return args.steps * args.batch / (time.perf_counter() - start)
+    return args.steps * args.batch / (time.perf_counter() - start), padding
 
 
 def main() -> None:
@@ -100,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64, help="sentences per batch (one rank's micro-batch)")
     parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument("--length-group", type=int, default=16, help="K of the grouped training rate")
     args = parser.parse_args()
 
     shards = sample_shards()
@@ -118,13 +125,16 @@ def main() -> None:
             for workers in (1, 2):
                 first, rate = loader_rate(url, objective, args, workers)
                 rows.append((source, workers, first, rate))
-        consumption = training_rate(local, objective, args)
+        consumption, padding = training_rate(local, objective, args, 0)
+        grouped, grouped_padding = training_rate(local, objective, args, args.length_group)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
     print(f"\nSimCSE, all-MiniLM-L6-v2, batch {args.batch}, max length {args.max_length}, {torch.get_num_threads()} "
-          f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step)")
+          f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step, "
+          f"{padding:.1%} padding); grouped by length in windows of {args.length_group} batches: "
+          f"{grouped:.1f} samples/s ({grouped_padding:.1%} padding)")
     print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10}")
     for source, workers, first, rate in rows:
         print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f}")
@@ -132,6 +142,7 @@ def main() -> None:
     for source, workers, _, rate in rows:
         name = "file" if source.startswith("file") else "s3"
         print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
+    print(f"ratio training_length_grouped_over_plain {grouped / consumption:.2f}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class DataConfig:
     loader_workers: int = 1  # DataLoader worker processes per training rank
     verify_checksums: bool = True  # compare each shard's sha256 with the manifest before using any of its samples
     on_bad_sample: str = "error"  # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
+    length_group_batches: int = 0  # K > 0: sort each window of K micro-batches by text length (less padding)
 
 
 @dataclass
@@ -182,6 +183,7 @@ class Config:
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
+            ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),
             ("eval.xling_articles", re.fullmatch(r"\d*:\d*", self.eval.xling_articles) is not None,
              'an article range START:STOP, quoted in YAML ("24:48")'),

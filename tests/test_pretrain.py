@@ -52,7 +52,8 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
                "--shard-size-mb", "2").returncode == 0
     common = ["--config", "quickstart", *SHORT, f"data.url={shards}", f"train.run_root={runs}",
-              "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2"]
+              "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
+              "data.length_group_batches=3"]  # the resume at step 4 is in a window: it replays it
 
     first = run("-m", "clsys.pretrain", *common, "train.steps=4")
     assert first.returncode == 0
@@ -115,6 +116,7 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_pa
     ("train.stepz=3", "unknown config key 'train.stepz'"),
     ("train.zero_stage=banana", "train.zero_stage: expected an integer"),
     ("train.batch_size=33", "not divisible"),
+    ("data.length_group_batches=-1", "data.length_group_batches: expected >= 0"),
     ("data.url=/nonexistent/shards", "/nonexistent/shards/sentences/manifest.json"),
 ])
 def test_bad_config_or_data_fails_fast_with_the_key(override, message, tmp_path):

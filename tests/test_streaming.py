@@ -19,14 +19,14 @@ from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position
 from data_prep.shards import ShardWriter
 
 
-def write_stream(url: str, tmp_path, sizes: list[int]) -> list[str]:
-    """Shards with the given sample counts; returns every key written."""
+def write_stream(url: str, tmp_path, sizes: list[int], text=lambda n, i: f"sentence {n} {i}") -> list[str]:
+    """Shards with the given sample counts (sample i of shard n says ``text(n, i)``); returns every key."""
     keys = []
     for n, size in enumerate(sizes):
         writer = ShardWriter(storage.join(url, f"part{n}"), str(tmp_path), max_bytes=1 << 30)
         for i in range(size):
             keys.append(f"s{n:02d}-{i:04d}")
-            writer.write(keys[-1], f"sentence {n} {i}", {"lang": "en"})
+            writer.write(keys[-1], text(n, i), {"lang": "en"})
         writer.close()
         # Move the single shard into the common stream folder under a unique name.
         src = storage.join(url, f"part{n}", "shard-000000.tar")
@@ -104,7 +104,7 @@ def test_ranks_and_workers_partition_an_epoch_with_equal_batch_counts(tmp_path):
         batches = take(loader, plan.batches_per_rank)
         state = loader.state_dict()
         assert (state["epoch"], state["segments"]) == (0, [{"ranks": 2, "workers": 2, "micro_batch": 4,
-                                                            "batches": plan.batches_per_rank}])
+                                                            "batches": plan.batches_per_rank, "length_group": 0}])
         # Checkpoints keep it with torch.save and read it back with weights_only=True.
         saved = io.BytesIO()
         torch.save(state, saved)
@@ -275,3 +275,84 @@ def test_streams_from_s3(s3_bucket, tmp_path):
     loader = ShardLoader(url, 0, 1, 3, collate, seed=0, loader_workers=2, shuffle_buffer=4)
     got = [k for b in take(loader, 7) for k in b]
     assert sorted(got) == sorted(keys)
+
+
+def ragged(n: int, i: int) -> str:
+    """Sentences of 1 to 40 words, in no order."""
+    return " ".join(["word"] * (1 + (n * 7919 + i * 104729) % 40))
+
+
+def texts(samples):
+    return {"texts": [s["txt"] for s in samples]}
+
+
+def grouped_loader(url, k, collate_fn=texts, **geometry):
+    args = {"rank": 0, "ranks": 1, "micro_batch": 4, "loader_workers": 2, **geometry}
+    return ShardLoader(url, collate=collate_fn, seed=9, shuffle_buffer=16, length_group=k, **args)
+
+
+def padding(batches: list[dict]) -> int:
+    """Characters of padding when every batch is padded to its longest text."""
+    return sum(max(map(len, b["texts"])) * len(b["texts"]) - sum(map(len, b["texts"])) for b in batches)
+
+
+def test_length_grouping_reads_the_same_samples_with_less_padding(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES, ragged)
+    per_epoch = plan_epoch(load_shards(url), 0, 9, 1, 2, 4).batches_per_rank
+    plain, grouped = consume(grouped_loader(url, 0), per_epoch)[0], consume(grouped_loader(url, 8), per_epoch)[0]
+    # The same samples in the epoch (a window only permutes the samples it holds), in whole batches.
+    assert sorted(k for b in grouped for k in b["keys"]) == sorted(k for b in plain for k in b["keys"])
+    assert all(len(b["keys"]) == 4 for b in grouped)
+    assert padding(grouped) < 0.3 * padding(plain)
+    # The two loader workers take turns; each window of 8 of a worker's batches holds disjoint
+    # length ranges (sorted, then cut), handed out in a seeded order, not shortest first.
+    windows = [grouped[w::2][i:i + 8] for w in range(2) for i in range(0, per_epoch // 2 - 7, 8)]
+    assert len(windows) >= 2
+    for window in windows:
+        ranges = sorted((min(map(len, b["texts"])), max(map(len, b["texts"]))) for b in window)
+        assert all(high <= low for (_, high), (low, _) in zip(ranges, ranges[1:])), ranges
+    assert any([max(map(len, b["texts"])) for b in w] != sorted(max(map(len, b["texts"])) for b in w)
+               for w in windows)
+
+
+def test_length_grouping_resumes_exactly_mid_window(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES, ragged)
+    per_epoch = plan_epoch(load_shards(url), 0, 9, 2, 2, 3).batches_per_rank
+    args = dict(rank=1, ranks=2, micro_batch=3, loader_workers=2)
+    straight, states = consume(grouped_loader(url, 5, NoisyCollate(), **args), per_epoch + 4)
+    for k in (3, 7, per_epoch - 1, per_epoch + 2):  # mid-window, across windows, in the next epoch
+        resumed = grouped_loader(url, 5, NoisyCollate(), **args)
+        resumed.load_state_dict(states[k - 1])
+        assert same_batches(consume(resumed, per_epoch + 4 - k)[0], straight[k:]), k
+
+
+@pytest.mark.parametrize("old_k,new_k,new_ranks", [(4, 4, 3), (4, 0, 2), (0, 3, 2), (3, 5, 2)])
+def test_length_grouping_elastic_resume_reads_no_sample_twice(tmp_path, old_k, new_k, new_ranks):
+    """Another rank count or another K mid-window: the begun windows count as read whole, so at most
+    K − 1 batches per old loader worker go unread besides the usual remainder."""
+    url = f"file://{tmp_path}/stream"
+    every_key = write_stream(url, tmp_path, SIZES, ragged)
+    before, states = [], []
+    for rank in range(2):
+        loader = grouped_loader(url, old_k, rank=rank, ranks=2, micro_batch=6, loader_workers=2)
+        before += [k for b in take(loader, 7) for k in b]  # 7 batches: both workers mid-window
+        states.append(loader.state_dict())
+    after = []
+    for rank in range(new_ranks):
+        loader = grouped_loader(url, new_k, rank=rank, ranks=new_ranks, micro_batch=12 // new_ranks,
+                                loader_workers=2)
+        loader.load_state_dict(states[0])
+        after += rest_of_epoch(loader)[0]
+    read = before + after
+    assert len(read) == len(set(read)), "a sample was read twice in the epoch"
+    left_out = 2 * 2 * max(old_k - 1, 0) * 6  # old ranks × workers × (K − 1) batches × micro-batch
+    assert len(set(every_key) - set(read)) < left_out + 12
+
+
+def test_length_grouping_must_not_be_negative(tmp_path):
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    with pytest.raises(ValueError, match="data.length_group_batches"):
+        grouped_loader(url, -1)

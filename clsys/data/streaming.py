@@ -25,8 +25,16 @@ Every batch carries ``batch["data_skipped"]``: {reason: count}, plain ints, what
 skipped since that worker's previous batch (always empty with ``error``); the training loop pops it
 and logs ``data/skipped_<reason>``. Faults a worker finds after its last batch of an epoch go unreported.
 
+Length grouping (``length_group`` K > 0, ``data.length_group_batches``): a loader worker takes its
+stream K micro-batches at a time, sorts that window's samples by the length of their ``txt`` (in
+characters, a proxy for tokens that needs no tokenizer), cuts it into K batches and hands them out in
+an order seeded by (seed, epoch, segment, rank, worker, window). Collate pads each batch to its longest
+row, so batches of similar lengths carry less padding; the shuffle buffer still decides which samples
+meet in a window, and within it the sort, not chance, decides which share a batch (in-batch negatives
+are then of similar length). K is part of the geometry below.
+
 Position (``LoaderState``, plain ints, lists and dicts, stored in checkpoints): the epoch; its
-*segments*, one per geometry (ranks, loader workers, micro-batch) the epoch was read under, each with
+*segments*, one per geometry (ranks, loader workers, micro-batch, K) the epoch was read under, each with
 the batches every rank consumed in it; the shuffle buffer of the epoch's streams; and, for this rank
 in the current segment, the batches each loader worker handed out and whose turn is next
 (``DataLoader`` takes batches from its workers round-robin).
@@ -42,7 +50,9 @@ starting one never draws from the training process's RNG (dropout masks).
 
 Elastic resume (a state saved under another geometry): the same epoch continues. A stream of the
 epoch's first geometry is a fixed sample sequence, and the saved position says how much of each was
-consumed (``round_robin_position`` over the batches every rank consumed). What is left of every
+consumed (``round_robin_position`` over the batches every rank consumed; with length grouping a
+window a worker had begun counts as consumed whole, so a resume mid-window leaves out at most K − 1
+of that worker's batches for the rest of the epoch rather than reading any sample twice). What is left of every
 stream, tails the equal-count rule would have dropped included, is concatenated in (rank, worker)
 order, N samples, and cut into B = ⌊N / (ranks × micro_batch)⌋ batches per new rank, dealt to its
 workers as evenly as possible in contiguous spans (a worker replays a stream's shuffle to reach its
@@ -122,9 +132,16 @@ class Segment:
     workers: int  # loader workers per rank
     micro_batch: int
     batches: int = 0  # batches every rank consumed in it
+    length_group: int = 0  # K > 0: each window of K batches was regrouped by length (0: read in order)
 
-    def geometry(self) -> tuple[int, int, int]:
-        return self.ranks, self.workers, self.micro_batch
+    def geometry(self) -> tuple[int, int, int, int]:
+        return self.ranks, self.workers, self.micro_batch, self.length_group
+
+    def consumed_batches(self, produced: int, planned: int) -> int:
+        """How many of a worker's ``planned`` batches' samples are used up once it has handed out
+        ``produced`` batches: with length grouping, a window that has begun counts whole."""
+        window = max(self.length_group, 1)
+        return min(-(-produced // window) * window, planned)
 
 
 @dataclass
@@ -192,7 +209,7 @@ def _remap(pieces: list[list[Piece]], old: Segment, new: Segment) -> list[list[P
     for row in pieces:
         produced, _ = round_robin_position([p.batches for p in row], old.batches)
         for piece, n in zip(row, produced):
-            rest += _split(piece.spans, n * old.micro_batch)[1]
+            rest += _split(piece.spans, old.consumed_batches(n, piece.batches) * old.micro_batch)[1]
     per_rank = sum(s.stop - s.start for s in rest) // new.micro_batch // new.ranks
     remapped = []
     for _ in range(new.ranks):
@@ -238,6 +255,7 @@ class RankStream(IterableDataset):
     def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
                  collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str):
         self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
+        self.length_group = state.segments[-1].length_group
         self.verify, self.on_bad_sample = verify, on_bad_sample
         # A copy of the position: the training process goes on changing its own.
         self.epoch, self.segment, self.rank = state.epoch, len(state.segments) - 1, state.rank
@@ -269,6 +287,26 @@ class RankStream(IterableDataset):
             skipped.update(reported)
             yield from itertools.islice(stream, span.stop - span.start)
 
+    def _batches(self, worker: int, piece: Piece, skipped: collections.Counter) -> Iterator[list[dict]]:
+        """The piece's samples cut into micro-batches. With length grouping (K > 0) each window of K
+        batches' samples is sorted by text length before it is cut (similar lengths pad less), and the
+        window's batches come out in an order drawn from the window's own seed, so that batch lengths do
+        not rise steadily through each window."""
+        samples = self._samples(piece, skipped)
+        window = max(self.length_group, 1)
+        for number, first in enumerate(range(0, piece.batches, window)):
+            taken = list(itertools.islice(samples, min(window, piece.batches - first) * self.micro_batch))
+            count = len(taken) // self.micro_batch  # fewer only when bad data was skipped
+            order = list(range(count))
+            if self.length_group:
+                taken.sort(key=lambda sample: len(sample["txt"]))  # stable: ties keep the stream's order
+                random.Random(f"{self.seed}/{self.epoch}/{self.segment}/{self.rank}/{worker}/window{number}"
+                              ).shuffle(order)
+            for i in order:
+                yield taken[i * self.micro_batch:(i + 1) * self.micro_batch]
+            if count < window:
+                return
+
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
@@ -276,12 +314,8 @@ class RankStream(IterableDataset):
         if skip >= piece.batches:
             return  # nothing left to hand out, so nothing to replay
         skipped: collections.Counter = collections.Counter()
-        batch: list[dict] = []
         made = 0
-        for sample in self._samples(piece, skipped):
-            batch.append(sample)
-            if len(batch) < self.micro_batch:
-                continue
+        for batch in self._batches(worker, piece, skipped):
             seed_global_rngs(self.seed, self.epoch, self.segment, self.rank, worker, made)
             out = self.collate(batch)  # skipped batches too: collate may keep state
             if made >= skip:
@@ -289,9 +323,6 @@ class RankStream(IterableDataset):
                 yield out
             skipped.clear()  # a skipped batch's faults were reported before the checkpoint
             made += 1
-            batch = []
-            if made >= piece.batches:
-                return
 
 
 class ShardLoader:
@@ -299,18 +330,20 @@ class ShardLoader:
 
     def __init__(self, stream_url: str, rank: int, ranks: int, micro_batch: int, collate: Callable,
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
-                 on_bad_sample: str = "error"):
+                 on_bad_sample: str = "error", length_group: int = 0):
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
+        if length_group < 0:
+            raise ValueError(f"data.length_group_batches: expected 0 (off) or a number of batches, got {length_group}")
         self.shards = load_shards(stream_url)
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
-        self.on_bad_sample = on_bad_sample
+        self.on_bad_sample, self.length_group = on_bad_sample, length_group
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
     def _epoch_start(self, epoch: int) -> LoaderState:
-        segment = Segment(self.ranks, self.workers, self.micro_batch)
+        segment = Segment(self.ranks, self.workers, self.micro_batch, length_group=self.length_group)
         return LoaderState(epoch, self.shuffle_buffer, [segment], self.rank, [0] * self.workers)
 
     def _layout(self, state: LoaderState) -> Layout:
@@ -320,8 +353,8 @@ class ShardLoader:
         return asdict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; one saved under another geometry (ranks, loader workers or
-        micro-batch) continues its epoch with this geometry (see the module docstring)."""
+        """Continue from a saved position; one saved under another geometry (ranks, loader workers,
+        micro-batch or length grouping) continues its epoch with this geometry (see the module docstring)."""
         legacy = "segments" not in state  # saved before geometries were recorded: under this one
         saved = self._epoch_start(state["epoch"]) if legacy else LoaderState.from_dict(state)
         if legacy:
@@ -334,7 +367,7 @@ class ShardLoader:
         if legacy:
             counts = [p.batches for p in layout.pieces[self.rank]]
             saved.produced, saved.next_worker = round_robin_position(counts, current.batches)
-        if current.geometry() == (self.ranks, self.workers, self.micro_batch):
+        if current.geometry() == (self.ranks, self.workers, self.micro_batch, self.length_group):
             if saved.rank != self.rank:
                 raise ValueError(f"the loader state of rank {saved.rank} cannot resume rank {self.rank}: "
                                  f"with an unchanged geometry each rank resumes its own")
@@ -342,7 +375,7 @@ class ShardLoader:
         elif current.batches == limit:
             self.state = self._epoch_start(saved.epoch + 1)  # its epoch was complete
         else:
-            saved.segments.append(Segment(self.ranks, self.workers, self.micro_batch))
+            saved.segments.append(Segment(self.ranks, self.workers, self.micro_batch, length_group=self.length_group))
             self.state = LoaderState(saved.epoch, saved.shuffle_buffer, saved.segments, self.rank,
                                      [0] * self.workers)
 

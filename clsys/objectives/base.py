@@ -60,7 +60,7 @@ class Objective(nn.Module):
 
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
-                           cfg.data.on_bad_sample)
+                           cfg.data.on_bad_sample, cfg.data.length_group_batches)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""
