@@ -15,7 +15,7 @@ import torch
 
 from clsys import storage
 from clsys.data.shard_reader import ShardError, load_shards, read_shard
-from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position
+from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position, text_lengths
 from data_prep.shards import ShardWriter
 
 
@@ -356,3 +356,33 @@ def test_length_grouping_must_not_be_negative(tmp_path):
     write_stream(url, tmp_path, SIZES)
     with pytest.raises(ValueError, match="data.length_group_batches"):
         grouped_loader(url, -1)
+
+
+def mixed_scripts(n: int, i: int) -> str:
+    """Sentences whose tokens per character differ several-fold: words, digit groups, CJK."""
+    words = 1 + (n * 7919 + i * 104729) % 30
+    return [" ".join(["word"] * words), " ".join(["90817"] * words), "漢字" * words][(n + i) % 3]
+
+
+def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
+    """Objective.sample_lengths (tokens) as the sort key: far less padding than characters give."""
+    from clsys.config import load_config
+    from clsys.model.encoder import load_tokenizer
+    from clsys.objectives import OBJECTIVES
+
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES, mixed_scripts)
+    cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
+                             "data.max_length=128"])
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer))
+    per_epoch = plan_epoch(load_shards(url), 0, 9, 1, 2, 4).batches_per_rank
+
+    def padding_tokens(k: int, lengths) -> int:
+        loader = ShardLoader(url, 0, 1, 4, objective.collate, seed=9, loader_workers=2, shuffle_buffer=16,
+                             length_group=k, lengths=lengths)
+        return sum((b["attention_mask"] == 0).sum().item() for b in consume(loader, per_epoch)[0])
+
+    plain, by_chars = padding_tokens(0, objective.sample_lengths), padding_tokens(8, text_lengths)
+    by_tokens = padding_tokens(8, objective.sample_lengths)
+    assert by_tokens < 0.5 * by_chars and by_tokens < 0.2 * plain, (plain, by_chars, by_tokens)
+    assert objective.sample_lengths([{"txt": "漢字漢字"}, {"txt": "word word"}]) == [4, 2]

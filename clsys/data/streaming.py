@@ -26,8 +26,8 @@ skipped since that worker's previous batch (always empty with ``error``); the tr
 and logs ``data/skipped_<reason>``. Faults a worker finds after its last batch of an epoch go unreported.
 
 Length grouping (``length_group`` K > 0, ``data.length_group_batches``): a loader worker takes its
-stream K micro-batches at a time, sorts that window's samples by the length of their ``txt`` (in
-characters, a proxy for tokens that needs no tokenizer), cuts it into K batches and hands them out in
+stream K micro-batches at a time, sorts that window's samples by length (``lengths``: the objective's
+token counts in training, ``text_lengths`` by default), cuts it into K batches and hands them out in
 an order seeded by (seed, epoch, segment, rank, worker, window). Collate pads each batch to its longest
 row, so batches of similar lengths carry less padding; the shuffle buffer still decides which samples
 meet in a window, and within it the sort, not chance, decides which share a batch (in-batch negatives
@@ -238,6 +238,11 @@ def epoch_layout(shards: list[Shard], epoch: int, seed: int, segments: list[Segm
     return Layout(plan, pieces)
 
 
+def text_lengths(samples: list[dict]) -> list[int]:
+    """Characters of each sample's text: length grouping's sort key where no tokenizer is at hand."""
+    return [len(sample["txt"]) for sample in samples]
+
+
 def seed_global_rngs(seed: int, epoch: int, segment: int, rank: int, worker: int, batch: int) -> None:
     """Seed this loader worker's global RNGs for one batch, so collate's draws replay on resume."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{segment}/{rank}/{worker}/{batch}".encode()).digest()
@@ -253,9 +258,10 @@ class RankStream(IterableDataset):
     own piece."""
 
     def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
-                 collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str):
+                 collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str,
+                 lengths: Callable[[list[dict]], list[int]]):
         self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
-        self.length_group = state.segments[-1].length_group
+        self.length_group, self.lengths = state.segments[-1].length_group, lengths
         self.verify, self.on_bad_sample = verify, on_bad_sample
         # A copy of the position: the training process goes on changing its own.
         self.epoch, self.segment, self.rank = state.epoch, len(state.segments) - 1, state.rank
@@ -289,7 +295,7 @@ class RankStream(IterableDataset):
 
     def _batches(self, worker: int, piece: Piece, skipped: collections.Counter) -> Iterator[list[dict]]:
         """The piece's samples cut into micro-batches. With length grouping (K > 0) each window of K
-        batches' samples is sorted by text length before it is cut (similar lengths pad less), and the
+        batches' samples is sorted by length before it is cut (similar lengths pad less), and the
         window's batches come out in an order drawn from the window's own seed, so that batch lengths do
         not rise steadily through each window."""
         samples = self._samples(piece, skipped)
@@ -299,7 +305,8 @@ class RankStream(IterableDataset):
             count = len(taken) // self.micro_batch  # fewer only when bad data was skipped
             order = list(range(count))
             if self.length_group:
-                taken.sort(key=lambda sample: len(sample["txt"]))  # stable: ties keep the stream's order
+                lengths = self.lengths(taken)
+                taken = [taken[i] for i in sorted(range(len(taken)), key=lengths.__getitem__)]  # ties: stream order
                 random.Random(f"{self.seed}/{self.epoch}/{self.segment}/{self.rank}/{worker}/window{number}"
                               ).shuffle(order)
             for i in order:
@@ -330,7 +337,8 @@ class ShardLoader:
 
     def __init__(self, stream_url: str, rank: int, ranks: int, micro_batch: int, collate: Callable,
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
-                 on_bad_sample: str = "error", length_group: int = 0):
+                 on_bad_sample: str = "error", length_group: int = 0,
+                 lengths: Callable[[list[dict]], list[int]] = text_lengths):
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
@@ -338,7 +346,7 @@ class ShardLoader:
         self.shards = load_shards(stream_url)
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
-        self.on_bad_sample, self.length_group = on_bad_sample, length_group
+        self.on_bad_sample, self.length_group, self.lengths = on_bad_sample, length_group, lengths
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
@@ -393,7 +401,7 @@ class ShardLoader:
         current = state.segments[-1]
         fresh = current.batches == 0
         dataset = RankStream(layout, state, self.micro_batch, self.seed, self.collate, self.verify,
-                             self.on_bad_sample)
+                             self.on_bad_sample, self.lengths)
         # Its own generator: otherwise starting the workers draws their base seed from the training
         # process's torch RNG, and a resumed run would draw different dropout masks.
         batches = iter(DataLoader(dataset, batch_size=None, num_workers=self.workers, generator=torch.Generator()))

@@ -60,7 +60,13 @@ class Objective(nn.Module):
 
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, self.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
-                           cfg.data.on_bad_sample, cfg.data.length_group_batches)
+                           cfg.data.on_bad_sample, cfg.data.length_group_batches, self.sample_lengths)
+
+    def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
+        """Tokens of each sample's ``txt``: the sort key of length-grouped batches (``data.length_group_batches``);
+        runs in loader workers. Characters are a poor proxy: a batch's padding follows its longest row, and
+        tokens per character vary several-fold across scripts, numbers and rare words."""
+        return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""
