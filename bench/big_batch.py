@@ -121,7 +121,8 @@ def _float64_check(rank: int, port: int, batch: int, chunk: int, texts: list[str
 
     objective.embedding_loss(objective.embed(data), data).loss.backward()
     plain = averaged_grads()
-    grad_cache(objective, data, chunk, objective.embed, lambda surrogate, last: surrogate.backward())
+    grad_cache(objective, data, chunk, lambda rows, part: objective.grad_cache_part(rows, part, data),
+               lambda surrogate, last: surrogate.backward())
     cached = averaged_grads()
     if rank == 0:
         diff = max((cached[n] - g).abs().max().item() for n, g in plain.items())

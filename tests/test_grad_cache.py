@@ -4,7 +4,8 @@
   gradient equals the full-batch gradient with dropout off; with dropout on (and SG's sampled layer
   views) it equals the gradient of the same loss computed with graph over the same chunked forwards (the
   RNG replay gives every chunk its first-pass draws). SimCSE and self-guided CL (SG-OPT and SG, with
-  BERT_T moved off BERT_F so that L_reg has a gradient: it must be added exactly once);
+  BERT_T moved off BERT_F so that L_reg has a gradient: it must be added exactly once), and SimCSE with
+  the MLM auxiliary (a row loss: every chunk adds its share, normalised over the whole batch's masks);
 - real DeepSpeed ZeRO-1 and ZeRO-2 engines (float32): ``grad_cache_backward`` through ``engine.backward``
   per chunk gives the plain engine step's gradient to float32 rounding, also over two accumulation
   micro-steps (a lost chunk, a chunk counted twice or a wrong 1/accumulation scale would be off by tens
@@ -27,6 +28,7 @@ SENTENCES = ["A cat sits on the mat.", "Stocks fell sharply on Monday.", "The ri
              "The choir sang at dawn.", "Paint peeled off the wall.", "A hawk circled the field."]
 CHUNK = 5  # rows; SimCSE has 12 rows per rank (6 sentences × 2 views) → chunks of 5, 5, 2; SG 6 → 5, 1
 OBJECTIVE_KEYS = {"simcse": [],
+                  "simcse_mlm": ["objective.mlm_weight=0.1"],  # a row loss: the MLM on masked copies
                   "sg_opt": ["objective.name=self_guided", "objective.loss=sg_opt", "objective.gather=true",
                              "objective.projection_dim=16"],
                   "sg": ["objective.name=self_guided", "objective.loss=sg", "objective.gather=true",
@@ -41,7 +43,7 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
     from clsys.engine.grad_cache import grad_cache, grad_cache_backward, split_rows
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
-    from clsys.objectives.base import add_losses
+    from clsys.objectives.base import add_losses, add_row_loss
 
     cfg = load_config(None, ["objective.name=simcse", *OBJECTIVE_KEYS[objective_kind], f"model.name={tiny}",
                              "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", f"model.dropout={dropout}",
@@ -63,11 +65,14 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
         torch.manual_seed(100 + rank)
         batch = micro_batches[0]
         if way == "grad_cache":
-            loss = grad_cache(objective, batch, CHUNK, objective.embed, lambda surrogate, last: surrogate.backward()).loss
+            loss = grad_cache(objective, batch, CHUNK,
+                              lambda chunk, part: objective.grad_cache_part(chunk, part, batch),
+                              lambda surrogate, last: surrogate.backward()).loss
         else:
             chunks = split_rows(batch, objective.embedding_rows(batch), CHUNK)
             z = torch.cat([objective.embed(c) for c in chunks]) if way == "chunked" else objective.embed(batch)
-            loss = add_losses(objective.embedding_loss(z, batch), objective.regularisation()).loss
+            terms = add_row_loss(objective.embedding_loss(z, batch), objective.row_loss(batch, batch))
+            loss = add_losses(terms, objective.regularisation()).loss
             loss.backward()
         grads = {}
         for name, p in objective.named_parameters():
@@ -123,7 +128,7 @@ def assert_same(result: tuple[float, dict], reference: tuple[float, dict], rtol:
                                    msg=name)
 
 
-@pytest.mark.parametrize("objective_kind", ["simcse", "sg_opt"])
+@pytest.mark.parametrize("objective_kind", ["simcse", "sg_opt", "simcse_mlm"])
 def test_float64_gradient_equals_the_full_batch_gradient(tiny, objective_kind):
     assert_same(run(tiny, objective_kind, "torch", "grad_cache"), run(tiny, objective_kind, "torch", "plain"),
                 rtol=1e-10, rel_atol=1e-10, atol=1e-14)
@@ -138,7 +143,8 @@ def test_float64_random_draws_are_replayed(tiny, objective_kind):
     assert run(tiny, objective_kind, "torch", "plain", dropout=0.1)[0] != pytest.approx(chunked[0], rel=1e-9)
 
 
-@pytest.mark.parametrize("objective_kind,zero,grad_accum", [("simcse", 1, 1), ("simcse", 2, 2), ("sg_opt", 2, 1)])
+@pytest.mark.parametrize("objective_kind,zero,grad_accum", [("simcse", 1, 1), ("simcse", 2, 2), ("sg_opt", 2, 1),
+                                                                 ("simcse_mlm", 2, 2)])
 def test_deepspeed_zero_gradient_equals_the_plain_step(tiny, objective_kind, zero, grad_accum):
     assert_same(run(tiny, objective_kind, "deepspeed", "grad_cache", zero, grad_accum),
                 run(tiny, objective_kind, "deepspeed", "plain", zero, grad_accum), rtol=1e-4, rel_atol=1e-2, atol=1e-9)
@@ -149,8 +155,7 @@ def test_objectives_without_an_in_batch_loss_refuse_grad_cache(tiny):
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 
-    for name, extra in (("tacl", []), ("simcse", ["objective.mlm_weight=0.1"])):
-        cfg = load_config(None, [f"objective.name={name}", *extra, f"model.name={tiny}", "model.init=scratch",
-                                 "model.tokenizer=all-MiniLM-L6-v2", "objective.grad_cache.chunk_size=8"])
-        with pytest.raises(ValueError, match="objective.grad_cache"):
-            OBJECTIVES[name](cfg, load_tokenizer(cfg.model.tokenizer))
+    cfg = load_config(None, ["objective.name=tacl", f"model.name={tiny}", "model.init=scratch",
+                             "model.tokenizer=all-MiniLM-L6-v2", "objective.grad_cache.chunk_size=8"])
+    with pytest.raises(ValueError, match="objective.grad_cache: tacl has no in-batch-negative loss"):
+        OBJECTIVES["tacl"](cfg, load_tokenizer(cfg.model.tokenizer))

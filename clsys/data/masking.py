@@ -69,13 +69,18 @@ class Masker:
         return keep.nonzero().squeeze(1)
 
 
-def masked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                   chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chosen: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the original tokens at the chosen positions, and the accuracy there.
 
     The head runs on the chosen rows only (M vectors instead of B·L), which is what makes the
-    vocabulary projection affordable.
+    vocabulary projection affordable. ``positions``: divide the sums by this count instead of the
+    chosen positions here (GradCache: a chunk's share of the whole batch's mean).
     """
-    logits = head(hidden[chosen]).float()
+    logits = head(hidden[chosen])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 → fp32; float64 stays
     labels = targets[chosen]
-    return torch.nn.functional.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+    correct = (logits.argmax(-1) == labels).float()
+    if positions is None:
+        return torch.nn.functional.cross_entropy(logits, labels), correct.mean()
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / positions, correct.sum() / positions

@@ -10,7 +10,9 @@ splits the step in three (``objective.grad_cache.chunk_size`` rows at a time):
      Σ_rows ⟨e_r, ∂L/∂e_r⟩ has exactly the parameter gradient of L.
 Peak memory: one chunk's graph plus the batch's embeddings; cost: one more forward per step.
 A loss term of the parameters alone (``Objective.regularisation``, SG's L_reg) joins the last chunk's
-surrogate, so it is backpropagated once.
+surrogate, so it is backpropagated once; a sum of row-independent terms (``Objective.row_loss``,
+SimCSE's MLM auxiliary) is computed per chunk in pass 3, each chunk's share normalised over the whole
+batch, and joins that chunk's surrogate.
 
 Under DeepSpeed every chunk's backward goes through ``engine.backward`` (ZeRO-2 reduces and partitions
 the gradients as they arrive, as for gradient accumulation), with the accumulation boundary held off
@@ -24,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from clsys.objectives.base import LossOutput, Objective, add_losses
+from clsys.objectives.base import LossOutput, Objective, add_losses, add_row_loss
 
 
 def split_rows(batch: dict, rows: int, chunk_size: int) -> list[dict]:
@@ -45,17 +47,28 @@ def _set_rng_state(state: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def grad_cache(objective: Objective, batch: dict, chunk_size: int, embed: Callable[[dict], torch.Tensor],
+def _add_shares(total: LossOutput | None, share: LossOutput | None) -> LossOutput | None:
+    """Chunks' shares of a row loss summed, loss and metrics alike (detached: only totals are reported)."""
+    if share is None:
+        return total
+    if total is None:
+        return LossOutput(share.loss.detach(), dict(share.metrics))
+    return LossOutput(total.loss + share.loss.detach(), {k: v + share.metrics[k] for k, v in total.metrics.items()})
+
+
+def grad_cache(objective: Objective, batch: dict, chunk_size: int, run: Callable[[dict, str], object],
                backward: Callable[[torch.Tensor, bool], None]) -> LossOutput:
-    """The three GradCache passes over ``batch``: ``embed(chunk)`` gives a chunk's embeddings (the
-    objective's ``embed``, possibly through an engine), ``backward(surrogate, last_chunk)`` backpropagates
-    a chunk's surrogate into the parameters. Returns the loss output (its loss already backpropagated)."""
+    """The three GradCache passes over ``batch``: ``run(chunk, part)`` is the objective's
+    ``grad_cache_part(chunk, part, batch)``, possibly through an engine: a chunk's embeddings for part
+    "embed", and (embeddings, row loss share) for part "chunk"; ``backward(surrogate, last_chunk)``
+    backpropagates a chunk's surrogate into the parameters. Returns the loss output (already
+    backpropagated)."""
     chunks = split_rows(batch, objective.embedding_rows(batch), chunk_size)
     states, cached = [], []
     with torch.no_grad():
         for chunk in chunks:
             states.append(_rng_state())
-            cached.append(embed(chunk))
+            cached.append(run(chunk, "embed"))
     after = _rng_state()
     # The loss in float32 at least, whatever the encoder computes in (bf16 autocast).
     embeddings = torch.cat(cached)
@@ -63,24 +76,26 @@ def grad_cache(objective: Objective, batch: dict, chunk_size: int, embed: Callab
     out = objective.embedding_loss(embeddings, batch)
     out.loss.backward()  # only into the leaf `embeddings` (and through cross-rank gathers)
     grads = embeddings.grad.split([len(c) for c in cached])
+    row_loss = regularisation = None
     for i, (chunk, state, grad) in enumerate(zip(chunks, states, grads)):
         _set_rng_state(state)  # the same dropout masks as in the first pass
-        embedded = embed(chunk)
+        embedded, share = run(chunk, "chunk")
         surrogate = (embedded * grad.to(embedded.dtype)).sum()
+        if share is not None:
+            surrogate = surrogate + share.loss
+            row_loss = _add_shares(row_loss, share)
         last = i == len(chunks) - 1
-        regularisation = objective.regularisation() if last else None
-        if regularisation is not None:
+        if last and (regularisation := objective.regularisation()) is not None:
             surrogate = surrogate + regularisation.loss
-            out = add_losses(out, regularisation)
         backward(surrogate, last)
     _set_rng_state(after)
-    return out
+    return add_losses(add_row_loss(out, row_loss), regularisation)
 
 
 def grad_cache_backward(engine, batch: dict, chunk_size: int, grad_accum: int) -> LossOutput:
     """One micro-batch's forward and backward through a DeepSpeed engine, in chunks of ``chunk_size`` rows;
-    the caller then calls ``engine.step()`` as usual. ``engine(chunk, embed=True)`` runs ``Objective.embed``
-    inside the engine (autocast, ZeRO-3 parameter gathering)."""
+    the caller then calls ``engine.step()`` as usual. ``engine(chunk, part=…)`` runs the objective's
+    ``grad_cache_part`` inside the engine (autocast, ZeRO-3 parameter gathering)."""
     engine.set_gradient_accumulation_boundary(None)  # DeepSpeed's own counter decides, as without chunks
     boundary = engine.is_gradient_accumulation_boundary()
 
@@ -89,4 +104,5 @@ def grad_cache_backward(engine, batch: dict, chunk_size: int, grad_accum: int) -
         # The loss is a mean over the micro-batch already; 1/grad_accum is what engine.backward would apply.
         engine.backward(surrogate / grad_accum, scale_wrt_gas=False)
 
-    return grad_cache(engine.module, batch, chunk_size, lambda chunk: engine(chunk, embed=True), backward)
+    return grad_cache(engine.module, batch, chunk_size, lambda chunk, part: engine(chunk, part=part, whole=batch),
+                      backward)

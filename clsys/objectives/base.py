@@ -29,6 +29,14 @@ def add_losses(out: LossOutput, term: LossOutput | None) -> LossOutput:
     return LossOutput(loss, {**out.metrics, **term.metrics, "loss": loss.detach()})
 
 
+def add_row_loss(out: LossOutput, row_loss: LossOutput | None) -> LossOutput:
+    """``embedding_loss``'s output plus a row loss (``Objective.row_loss``); the in-batch loss stays
+    visible as ``contrastive_loss``."""
+    if row_loss is None:
+        return out
+    return add_losses(out, LossOutput(row_loss.loss, {**row_loss.metrics, "contrastive_loss": out.loss.detach()}))
+
+
 class Objective(nn.Module):
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
 
@@ -86,8 +94,8 @@ class Objective(nn.Module):
         raise NotImplementedError
 
     # GradCache (clsys/engine/grad_cache.py) needs the loss split in two. An objective supports
-    # ``objective.grad_cache.chunk_size`` when its ``forward(batch, embed=True)`` returns ``embed(batch)``
-    # and it implements these three:
+    # ``objective.grad_cache.chunk_size`` when its ``forward(batch, part, whole)`` returns
+    # ``grad_cache_part(batch, part, whole)`` for parts other than "loss", and it implements these:
     def embedding_rows(self, batch: dict[str, torch.Tensor]) -> int:
         """How many encoder rows the batch has (the dimension GradCache cuts into chunks)."""
         return batch["input_ids"].shape[0]
@@ -103,6 +111,18 @@ class Objective(nn.Module):
     def regularisation(self) -> LossOutput | None:
         """A loss term of the parameters alone, no rows (SG's L_reg), added to ``embedding_loss``'s."""
         return None
+
+    def row_loss(self, chunk: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> LossOutput | None:
+        """A loss term that is a sum of row-independent terms (SimCSE's MLM auxiliary), for the rows of
+        ``chunk`` but normalised over the batch ``whole`` they come from: the shares of a batch's chunks, loss
+        and metrics alike, add up to the batch's term. GradCache adds each to its chunk's surrogate."""
+        return None
+
+    def grad_cache_part(self, batch: dict[str, torch.Tensor], part: str, whole: dict[str, torch.Tensor] | None):
+        """What ``forward`` returns to GradCache: ``embed`` for part "embed" (the pass without a graph), and
+        (``embed``, ``row_loss``) for part "chunk" (the pass with one); one call, so one engine forward."""
+        embeddings = self.embed(batch)
+        return embeddings if part == "embed" else (embeddings, self.row_loss(batch, whole))
 
     def encoder(self) -> nn.Module:
         """The Hugging Face model that export saves and evaluation embeds with."""

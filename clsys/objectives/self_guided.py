@@ -200,9 +200,10 @@ class SelfGuided(Objective):
         contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, gather=self.oc.gather)
         return LossOutput(contrastive, {"loss": contrastive.detach(), "contrastive": contrastive.detach()})
 
-    def forward(self, batch: dict[str, torch.Tensor], embed: bool = False) -> LossOutput | torch.Tensor:
-        if embed:
-            return self.embed(batch)
+    def forward(self, batch: dict[str, torch.Tensor], part: str = "loss",
+                whole: dict[str, torch.Tensor] | None = None) -> LossOutput | torch.Tensor | tuple:
+        if part != "loss":
+            return self.grad_cache_part(batch, part, whole)
         return add_losses(self.embedding_loss(self.embed(batch), batch), self.regularisation())
 
     def encoder(self) -> nn.Module:

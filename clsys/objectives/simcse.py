@@ -22,7 +22,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, build_encoder, build_masked_lm, pool
-from clsys.objectives.base import LossOutput, Objective, add_losses
+from clsys.objectives.base import LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
 
@@ -71,9 +71,6 @@ class SimCSE(Objective):
         if oc.hard_negative_weight and not oc.supervised:
             raise ValueError("objective.hard_negative_weight: only supervised SimCSE has hard negatives "
                              "(set objective.supervised: true)")
-        if oc.grad_cache.chunk_size and oc.mlm_weight:
-            raise ValueError("objective.grad_cache: not with the MLM auxiliary (objective.mlm_weight > 0), whose "
-                             "masked forward is not an in-batch-negative loss; set one of them to 0")
         if oc.mlm_weight:
             # The auxiliary needs an MLM head: the checkpoint's, or a new one tied to the embeddings.
             self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
@@ -121,18 +118,22 @@ class SimCSE(Objective):
                         hard_negative_weight=self.hard_negative_weight, gather=self.gather)
         return LossOutput(loss, {"loss": loss.detach(), **alignment_uniformity(z1.detach(), z2.detach())})
 
-    def forward(self, batch: dict[str, torch.Tensor], embed: bool = False) -> LossOutput | torch.Tensor:
-        if embed:
-            return self.embed(batch)
-        out = self.embedding_loss(self.embed(batch), batch)
+    def row_loss(self, chunk: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> LossOutput | None:
+        """The MLM auxiliary (weighted) on ``chunk``'s rows, as its share of the mean over ``whole``'s masked
+        positions. The contrastive views see clean text; the MLM sees masked copies with the same attention."""
         if self.mlm_head is None:
-            return out
-        # The contrastive views see clean text; the MLM sees masked copies with the same attention.
-        inputs = {**self._encoder_inputs(batch), "input_ids": batch["masked_input_ids"]}
+            return None
+        inputs = {**self._encoder_inputs(chunk), "input_ids": chunk["masked_input_ids"]}
         mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, self.model(**inputs).last_hidden_state,
-                                           batch["input_ids"], batch["chosen"])
-        return add_losses(out, LossOutput(self.cfg.objective.mlm_weight * mlm, {
-            "contrastive_loss": out.loss.detach(), "mlm_loss": mlm.detach(), "mlm_accuracy": mlm_accuracy}))
+                                           chunk["input_ids"], chunk["chosen"], positions=whole["chosen"].sum())
+        return LossOutput(self.cfg.objective.mlm_weight * mlm, {"mlm_loss": mlm.detach(),
+                                                                "mlm_accuracy": mlm_accuracy.detach()})
+
+    def forward(self, batch: dict[str, torch.Tensor], part: str = "loss",
+                whole: dict[str, torch.Tensor] | None = None) -> LossOutput | torch.Tensor | tuple:
+        if part != "loss":
+            return self.grad_cache_part(batch, part, whole)
+        return add_row_loss(self.embedding_loss(self.embed(batch), batch), self.row_loss(batch, batch))
 
     def encoder(self) -> nn.Module:
         return self.model
