@@ -52,17 +52,26 @@ def resolve_resume(cfg: Config, run: str) -> str | None:
 
 def check_data(cfg: Config) -> str:
     """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
+    from clsys.data.pretokenized import check_stream_tokenizer
     from clsys.data.shard_reader import load_shards
     from clsys.data.streaming import plan_epoch
+    from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
+    from data_prep.shards import read_manifest
 
-    streams = [storage.join(cfg.data.url, name) for name in OBJECTIVES[cfg.objective.name].streams(cfg)]
+    objective = OBJECTIVES[cfg.objective.name]
+    streams = [storage.join(cfg.data.url, name) for name in objective.streams(cfg)]
     for stream in streams:
         try:
             plan_epoch(load_shards(stream), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
                        cfg.micro_batch)
         except ValueError as err:
             raise ValueError(f"{stream}: {err}") from None
+        recorded = read_manifest(stream).get("tokenizer")
+        if recorded is not None and objective.reads_ids(cfg):
+            # Loaded only here: a pre-tokenized stream's ids must be the ones the training tokenizer gives.
+            name = cfg.model.tokenizer or cfg.model.name
+            check_stream_tokenizer(stream, recorded, name, load_tokenizer(name), cfg.data.max_length)
     return ", ".join(streams)
 
 

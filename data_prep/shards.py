@@ -23,6 +23,7 @@ FORMAT = "clsys-shards/1"
 MANIFEST = "manifest.json"
 _REQUIRED = {"format": str, "stream": str, "shards": list, "samples": int}
 _REQUIRED_SHARD = {"name": str, "samples": int, "sha256": str}
+_TOKENIZER = {"name": str, "fingerprint": str, "max_tokens": int}  # of a pre-tokenized stream (data_prep tokenize)
 
 
 @dataclass
@@ -56,7 +57,7 @@ def ustar_header(name: str, size: int) -> bytes:
 
 @dataclass
 class ShardWriter:
-    """Writes samples (``key`` + ``txt`` + ``json``) into rolling tar shards under ``url``.
+    """Writes samples (``key`` + ``txt`` + ``json``, plus any ``extra`` members) into rolling tar shards under ``url``.
 
     Shards are built in ``tmp_dir`` and uploaded as soon as they are full; ``previous`` maps shard
     names to the sha256 the existing manifest lists, to skip re-uploading identical shards.
@@ -80,9 +81,11 @@ class ShardWriter:
     def samples(self) -> int:
         return sum(s.samples for s in self.shards) + self._samples
 
-    def write(self, key: str, text: str, meta: dict) -> None:
-        members = [(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
-                   (f"{key}.txt", text.encode())]
+    def write(self, key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> None:
+        """One sample; ``extra`` maps further member extensions to their bytes (``ids``: pre-tokenized)."""
+        members = sorted([(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
+                          (f"{key}.txt", text.encode()),
+                          *((f"{key}.{ext}", data) for ext, data in (extra or {}).items())])
         size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)  # header + padded data
         # Room for the 1 KiB end-of-archive marker and the padding to a whole tar record.
         if self._tar is not None and self._size + size + 1024 + tarfile.RECORDSIZE > self.max_bytes:
@@ -90,12 +93,13 @@ class ShardWriter:
         if self._tar is None:
             self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
             self._tar = open(self._path, "wb")
-        for name, data in members:  # sorted by extension: .json before .txt
+        for name, data in members:  # sorted by extension (.ids, .json, .txt): the bytes depend on the sample alone
             self._tar.write(ustar_header(name, len(data)) + data + bytes(-len(data) % 512))
         self._samples += 1
         self._size += size
 
     def close(self) -> None:
+        """Finish the shard being filled; a later ``write`` starts the next one."""
         if self._tar is not None:
             self._finish()
 
@@ -154,7 +158,8 @@ def read_manifest(stream_url: str) -> dict:
     """Load and validate ``stream_url/manifest.json``; ``StorageError`` names the URL and the bad field.
 
     The training loader relies on ``format``, ``stream``, ``samples`` and ``shards[].name/samples/sha256``;
-    shard names are relative to the stream folder (``storage.join(stream_url, name)``).
+    shard names are relative to the stream folder (``storage.join(stream_url, name)``). A pre-tokenized
+    stream's ``tokenizer`` (name, fingerprint, max_tokens) is checked against the training tokenizer.
     """
     url = storage.join(stream_url, MANIFEST)
     manifest = storage.read_json(url)
@@ -173,6 +178,9 @@ def read_manifest(stream_url: str) -> dict:
                 raise StorageError(f"{url}: manifest field 'shards[{i}].{key}' is missing or not {typ.__name__}")
         if "/" in shard["name"] or shard["name"].startswith("."):
             raise StorageError(f"{url}: manifest field 'shards[{i}].name' must be a file name in the stream folder")
+    for key, typ in _TOKENIZER.items() if "tokenizer" in manifest else ():
+        if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["tokenizer"].get(key), typ):
+            raise StorageError(f"{url}: manifest field 'tokenizer.{key}' is missing or not {typ.__name__}")
     total = sum(s["samples"] for s in manifest["shards"])
     if total != manifest["samples"]:
         raise StorageError(f"{url}: manifest field 'samples' is {manifest['samples']} but the shards hold {total}")

@@ -1,9 +1,10 @@
-"""Reading one shard of a ``data_prep`` stream, safely: whole, checked, and only txt/json decoded.
+"""Reading one shard of a ``data_prep`` stream, safely: whole, checked, and only txt/json/ids decoded.
 
 A shard is read whole into memory (64 MiB with data_prep's default shard size); its size and
 sha256 are compared with the manifest and its tar structure is parsed before any sample is
-yielded, so no sample of a bad shard is ever used. Only ``txt`` and ``json`` members are decoded: a
-shard with any other member (a pickle, say) is bad, and nothing is ever unpickled. Reasons a shard
+yielded, so no sample of a bad shard is ever used. Only ``txt``, ``json`` and ``ids`` (token ids of a
+pre-tokenized stream: raw little-endian int32, see ``encode_ids``) members are decoded: a shard with
+any other member (a pickle, say) is bad, and nothing is ever unpickled. Reasons a shard
 or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``, ``truncated``,
 ``corrupt``, ``unsafe`` (a whole shard), ``undecodable``, ``missing_fields`` (one sample).
 """
@@ -13,14 +14,27 @@ import collections
 import hashlib
 import io
 import json
+import struct
 import tarfile
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clsys import storage
 
-SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b)}
-FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has
+
+def encode_ids(ids: list[int]) -> bytes:
+    """Token ids as an ``ids`` member: raw little-endian int32, whatever the machine's byte order."""
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def decode_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes is not a whole number of int32 ids")
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
+FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has (ids is optional)
 
 
 class ShardError(RuntimeError):
@@ -112,7 +126,7 @@ def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes) -> dict[
     for ext, (offset, size) in members.items():
         try:
             decoded[ext] = SAFE_EXTENSIONS[ext](data[offset:offset + size])
-        except ValueError as err:  # UnicodeDecodeError and JSONDecodeError both are
+        except ValueError as err:  # UnicodeDecodeError, JSONDecodeError and decode_ids's all are
             raise _Fault("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
     return decoded
 

@@ -53,6 +53,12 @@ class Objective(nn.Module):
         """The shard streams under ``data.url`` this objective reads (``sentences``, ``documents``, …)."""
         raise NotImplementedError
 
+    @classmethod
+    def reads_ids(cls, cfg: Config) -> bool:
+        """Whether ``collate`` uses the ``ids`` of a pre-tokenized stream (``data_prep tokenize``) when its
+        samples have them; then training refuses a stream tokenized by another tokenizer. Others tokenize ``txt``."""
+        return False
+
     def loader(self, cfg: Config, rank: int, world: int):
         """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position).
 
@@ -77,7 +83,8 @@ class Objective(nn.Module):
         return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Decoded shard samples (``txt``/``json`` fields) → model inputs; runs in loader workers."""
+        """Decoded shard samples (``txt``/``json`` fields, ``ids`` if pre-tokenized) → model inputs; runs in loader
+        workers."""
         raise NotImplementedError
 
     def export_reranker_map(self) -> dict[str, str]:

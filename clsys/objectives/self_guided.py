@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
+from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import build_encoder, pool
 from clsys.objectives.base import LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
@@ -142,6 +143,10 @@ class SelfGuided(Objective):
     def streams(cls, cfg: Config) -> list[str]:
         return ["sentences"]
 
+    @classmethod
+    def reads_ids(cls, cfg: Config) -> bool:
+        return True
+
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: SelfGuidedConfig = cfg.objective
@@ -159,6 +164,7 @@ class SelfGuided(Objective):
             self.model.embeddings.requires_grad_(False)
         self.head = ProjectionHead(self.model.config.hidden_size, oc.projection_dim)
         self.oc = oc
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
         self.train(self.training)  # from_pretrained left both copies in eval mode: apply the mode rule now
 
     def train(self, mode: bool = True) -> SelfGuided:
@@ -169,8 +175,7 @@ class SelfGuided(Objective):
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         # One copy of each sentence: BERT_T and BERT_F read the same tokens.
-        return dict(self.tokenizer([s["txt"] for s in samples], padding=True, truncation=True,
-                                   max_length=self.cfg.data.max_length, return_tensors="pt"))
+        return self.sentences(samples)
 
     def regularisation(self) -> LossOutput:
         """λ·L_reg, L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.

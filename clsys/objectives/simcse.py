@@ -21,6 +21,7 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
+from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, build_encoder, build_masked_lm, pool
 from clsys.objectives.base import LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
@@ -57,6 +58,10 @@ class SimCSE(Objective):
     def streams(cls, cfg: Config) -> list[str]:
         return ["triplets" if cfg.objective.supervised else "sentences"]
 
+    @classmethod
+    def reads_ids(cls, cfg: Config) -> bool:
+        return not cfg.objective.supervised  # triplets are three texts a sample: tokenized in collate
+
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: SimCSEConfig = cfg.objective
@@ -83,16 +88,17 @@ class SimCSE(Objective):
         self.mlp = MLPPooler(self.model.config.hidden_size) if oc.pooler == "cls_mlp" else None
         self.temperature, self.pooler, self.gather = oc.temperature, oc.pooler, oc.gather
         self.supervised, self.hard_negative_weight = oc.supervised, oc.hard_negative_weight
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.supervised:
             # Rows [0, B) anchors, [B, 2B) their entailments, [2B, 3B) their contradictions.
             texts = [s["json"][part] for part in ("anchor", "positive", "negative") for s in samples]
+            batch = dict(self.tokenizer(texts, padding=True, truncation=True,
+                                        max_length=self.cfg.data.max_length, return_tensors="pt"))
         else:
             # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
-            texts = [s["txt"] for s in samples] * 2
-        batch = dict(self.tokenizer(texts, padding=True, truncation=True,
-                                    max_length=self.cfg.data.max_length, return_tensors="pt"))
+            batch = self.sentences(samples, copies=2)
         if self.masker is not None:
             # Masked copies of every row, for the MLM auxiliary's separate forward pass (§2.3).
             batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
