@@ -121,7 +121,9 @@ def test_collate_from_ids_equals_tokenizing(objective, streams, minilm):
         _assert_same(batch, model.collate(without))
         assert batch["input_ids"].shape[0] == len(with_ids) * (2 if objective == "simcse" else 1)
         truncated += sum(len(s["ids"]) > 30 for s in with_ids)
+        assert model.sample_lengths(with_ids) == model.sample_lengths(without)  # length grouping's sort key
     assert truncated > 0
+    assert model.sample_lengths([{"txt": "one", "ids": [5, 6, 7]}]) == [3]  # counted from ids, not tokenized
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,10 @@ class Objective(nn.Module):
         """Tokens of each sample's ``txt``: the sort key of length-grouped batches (``data.length_group_batches``);
         runs in loader workers. Characters are a poor proxy: a batch's padding follows its longest row, and
         tokens per character vary several-fold across scripts, numbers and rare words."""
+        if self.reads_ids(self.cfg) and all("ids" in s for s in samples):
+            # Pre-tokenized by the training tokenizer (checked at start-up); cut at max_tokens, which is at
+            # least what collate keeps, so longer rows pad alike anyway.
+            return [len(s["ids"]) for s in samples]
         return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
