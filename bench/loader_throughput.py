@@ -6,9 +6,9 @@ The loader is the one every training rank runs (``clsys.data.streaming.ShardLoad
 sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective's ``collate`` in the
 DataLoader worker processes), here for unsupervised SimCSE on all-MiniLM-L6-v2 over the bundled
 Wikipedia sample's sentence shards (written by ``data_prep wiki`` if missing), once from the local
-folder and once from a moto S3 server started on 127.0.0.1 (shards uploaded first), with 1 and 2
-loader workers. Its rate is samples/s over --batches batches after the first (the first batch, start-up
-included, is reported apart). Consumption: one rank's SimCSE training steps (forward of both views,
+folder, once from a moto S3 server started on 127.0.0.1 (shards uploaded first) and once from the
+local folder pre-tokenized by ``data_prep tokenize``, each with 1 and 2 loader workers. Its rate is
+samples/s over --batches batches after the first (the first batch, start-up included, is reported apart). Consumption: one rank's SimCSE training steps (forward of both views,
 backward, AdamW) on the same batches in this process, samples/s over --steps steps after one warm-up.
 Both use all cores here in turn; in training they share them. The training step is also timed on
 batches grouped by length (``data.length_group_batches`` = --length-group), with the share of padding
@@ -78,7 +78,7 @@ def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
 def training_rate(url: str, objective, args, length_group: int) -> tuple[float, float]:
     """(samples/s of one rank's training steps, share of the batches' tokens that are padding)."""
     loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=1,
-                         length_group=length_group)
+                         length_group=length_group, lengths=objective.sample_lengths)
     batches = iter(loader)
     held = [next(batches) for _ in range(args.steps + 1)]
     del batches
@@ -120,8 +120,13 @@ def main() -> None:
         storage.s3_client().create_bucket(Bucket="bench")
         remote = "s3://bench/shards/sentences"
         storage.upload_dir(str(shards / "sentences"), remote)
+        # The same stream pre-tokenized (data_prep tokenize): collate only frames and pads ids.
+        tokenized = shards.parent / f"{shards.name}-tokenized"
+        subprocess.run([sys.executable, "-m", "data_prep", "tokenize", "--input", local, "--tokenizer",
+                        cfg.model.name, "--out", str(tokenized)], check=True, stdout=subprocess.DEVNULL)
         rows = []
-        for source, url in (("file://", local), (f"s3 ({endpoint})", remote)):
+        for source, url in (("file://", local), (f"s3 ({endpoint})", remote),
+                            ("file://, pre-tokenized", f"file://{tokenized}")):
             for workers in (1, 2):
                 first, rate = loader_rate(url, objective, args, workers)
                 rows.append((source, workers, first, rate))
@@ -140,7 +145,7 @@ def main() -> None:
         print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f}")
     print()
     for source, workers, _, rate in rows:
-        name = "file" if source.startswith("file") else "s3"
+        name = "s3" if source.startswith("s3") else "tokenized" if "tokenized" in source else "file"
         print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
     print(f"ratio training_length_grouped_over_plain {grouped / consumption:.2f}")
 
