@@ -1,6 +1,6 @@
 """Training loader throughput from file:// and from an S3 server, against the training step's consumption.
 
-    python bench/loader_throughput.py [--batches 150] [--steps 10] [--batch 64] [--max-length 32] [--length-group 16]
+    python bench/loader_throughput.py [--batches 150] [--steps 16] [--batch 64] [--max-length 32] [--length-group 16]
 
 The loader is the one every training rank runs (``clsys.data.streaming.ShardLoader``: shard listing,
 sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective's ``collate`` in the
@@ -8,8 +8,9 @@ DataLoader worker processes), here for unsupervised SimCSE on all-MiniLM-L6-v2 o
 Wikipedia sample's sentence shards (written by ``data_prep wiki`` if missing), once from the local
 folder, once from a moto S3 server started on 127.0.0.1 (shards uploaded first) and once from the
 local folder pre-tokenized by ``data_prep tokenize``, each with 1 and 2 loader workers. Its rate is
-samples/s over --batches batches after the first (the first batch, start-up included, is reported apart). Consumption: one rank's SimCSE training steps (forward of both views,
-backward, AdamW) on the same batches in this process, samples/s over --steps steps after one warm-up.
+samples/s over --batches batches after the first (the first batch, start-up included, is reported apart).
+Consumption: one rank's SimCSE training steps (forward of both views, backward, AdamW) on the same
+batches in this process, samples/s over --steps steps after one warm-up step.
 Both use all cores here in turn; in training they share them. The training step is also timed on
 batches grouped by length (``data.length_group_batches`` = --length-group), with the share of padding
 tokens of both. Prints a table, then ``ratio`` lines (loader samples/s ÷ training samples/s, target ≥ 10;
@@ -76,11 +77,13 @@ def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
 
 
 def training_rate(url: str, objective, args, length_group: int) -> tuple[float, float]:
-    """(samples/s of one rank's training steps, share of the batches' tokens that are padding)."""
+    """(samples/s of one rank's training steps, share of the batches' tokens that are padding). The timed
+    batches are the loader's first --steps: whole windows when --steps is a multiple of --length-group
+    (within a window batch lengths differ, so part of one is a biased sample)."""
     loader = ShardLoader(url, 0, 1, args.batch, objective.collate, seed=0, loader_workers=1,
                          length_group=length_group, lengths=objective.sample_lengths)
     batches = iter(loader)
-    held = [next(batches) for _ in range(args.steps + 1)]
+    held = [next(batches) for _ in range(args.steps)]
     del batches
     masks = [b["attention_mask"] for b in held]
     padding = sum((m == 0).sum().item() for m in masks) / sum(m.numel() for m in masks)
@@ -93,9 +96,9 @@ def training_rate(url: str, objective, args, length_group: int) -> tuple[float, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(held[0])
+    step(held[-1])  # warm-up (allocations, thread pools), then every batch timed
     start = time.perf_counter()
-    for batch in held[1:]:
+    for batch in held:
         step(batch)
     return args.steps * args.batch / (time.perf_counter() - start), padding
 
@@ -103,7 +106,7 @@ def training_rate(url: str, objective, args, length_group: int) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=150)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16, help="timed training steps (a multiple of --length-group)")
     parser.add_argument("--batch", type=int, default=64, help="sentences per batch (one rank's micro-batch)")
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--length-group", type=int, default=16, help="K of the grouped training rate")
