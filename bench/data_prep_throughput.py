@@ -189,7 +189,7 @@ def run_wikiextractor(path: Path, processes: int, work: Path) -> tuple[Run, int]
 
 def run_reader(path: Path, work: Path) -> tuple[Run, int]:
     """(run, pages) of data_prep's ``DumpReader`` alone: decompression and XML, nothing else."""
-    code = ("import sys; from data_prep.wiki import DumpReader; "
+    code = ("import sys; from data_prep.dumps import DumpReader; "
             "print(sum(1 for _ in DumpReader(sys.argv[1]).pages()))")
     run = measure([sys.executable, "-c", code, str(path)], work / "reader")
     return run, int(run.stdout)

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from data_prep.wiki import SiteInfo
+from data_prep.dumps import SiteInfo
 
 COLUMNS = ("ll_from", "ll_lang", "ll_title")
 _CREATE = re.compile(r"CREATE TABLE `(\w+)` \(")

@@ -17,7 +17,7 @@ import pytest
 from clsys import storage
 from data_prep.sentences import SplitStats, pack_passages, split_sentences
 from data_prep.shards import read_manifest
-from data_prep.wiki import SiteInfo
+from data_prep.dumps import SiteInfo
 from data_prep.wikitext import WikitextCleaner
 
 ROOT = Path(__file__).resolve().parents[1]

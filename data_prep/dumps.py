@@ -1,0 +1,341 @@
+"""Reading MediaWiki XML dumps, page by page, for ``data_prep wiki`` and ``data_prep align``.
+
+``DumpReader`` decompresses and parses incrementally (``XMLPullParser`` fed 64 KiB chunks), so a
+multi-GB dump never sits in memory, and it knows at every moment how many *input* bytes it has
+consumed: that is the offset reported when a dump turns out to be truncated or corrupt.
+
+A Wikimedia *multistream* dump with its index is read by block instead: the index gives the byte
+offset of each bz2 stream of 100 pages (``index_blocks``, checked by ``check_index``), and
+``BlockReader`` decompresses and parses one such block with the same ``DumpReader`` code.
+"""
+from __future__ import annotations
+
+import bz2
+import collections
+import os
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Iterator
+from urllib.parse import urlparse
+
+from data_prep.wikitext import CATEGORY_PREFIXES, MEDIA_PREFIXES
+
+
+CHUNK_BYTES = 1 << 16  # small enough that a fault is located to within 64 KiB of input
+
+# Wikimedia project suffixes of a dbname ("enwiki", "dewiktionary", "zh_yuewiki") → language prefix.
+_DBNAME_SUFFIXES = ("wiktionary", "wikibooks", "wikinews", "wikiquote", "wikisource", "wikiversity",
+                    "wikivoyage", "wiki")
+
+
+class DumpError(Exception):
+    """The input cannot be used at all (missing, empty, not XML, not a MediaWiki dump)."""
+
+
+class TruncatedDump(Exception):
+    """Reading stopped early (corrupt/truncated bz2 or XML); pages before ``byte_offset`` are good."""
+
+    def __init__(self, message: str, byte_offset: int):
+        super().__init__(message, byte_offset)
+        self.message, self.byte_offset = message, byte_offset
+
+
+class BadIndex(Exception):
+    """A multistream index that is malformed or does not describe its dump; the message names file:line."""
+
+
+@dataclass
+class SiteInfo:
+    dbname: str | None = None
+    base: str | None = None
+    media_prefixes: set[str] = field(default_factory=lambda: set(MEDIA_PREFIXES))
+    category_prefixes: set[str] = field(default_factory=lambda: set(CATEGORY_PREFIXES))
+
+    @property
+    def lang(self) -> str:
+        """Language code from ``<dbname>`` (``enwiki`` → ``en``), else from the ``<base>`` host."""
+        if self.dbname:
+            for suffix in _DBNAME_SUFFIXES:
+                if self.dbname.endswith(suffix) and len(self.dbname) > len(suffix):
+                    return self.dbname[: -len(suffix)].replace("_", "-")
+        host = urlparse(self.base or "").hostname or ""
+        return host.split(".")[0] if host.count(".") >= 2 else "und"
+
+
+@dataclass
+class Page:
+    page_id: int
+    title: str
+    ns: int
+    text: str
+    redirect: bool
+    redirect_target: str | None = None  # the <redirect title="..."/> of a redirect page
+
+
+def _local(tag: str) -> str:
+    """Tag name without the ``{namespace}``, so every export-0.x schema version matches."""
+    return tag.rsplit("}", 1)[-1]
+
+
+def _child_text(elem: ET.Element, name: str) -> str | None:
+    for child in elem:
+        if _local(child.tag) == name:
+            return child.text
+    return None
+
+
+class DumpReader:
+    """Streams the pages of one dump file (.xml, or .bz2 including multistream / concatenated bz2)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.bytes_read = 0  # input (compressed) bytes consumed so far
+        self.siteinfo = SiteInfo()
+
+    def _raw_chunks(self) -> Iterator[bytes]:
+        """Decompressed bytes; a bz2 fault becomes ``TruncatedDump`` at the current input offset."""
+        try:
+            f = open(self.path, "rb")
+        except OSError as err:
+            raise DumpError(f"cannot open: {err.strerror}") from None
+        self.bytes_read = 0
+        with f:
+            head = f.read(CHUNK_BYTES)
+            if not head:
+                raise DumpError("the file is empty")
+            if not head.startswith(b"BZh"):
+                while head:
+                    self.bytes_read += len(head)
+                    yield head
+                    head = f.read(CHUNK_BYTES)
+                return
+            dec, chunk = bz2.BZ2Decompressor(), head
+            while chunk:
+                try:
+                    out = dec.decompress(chunk)
+                    # A multistream dump is many bz2 streams back to back: restart on each boundary.
+                    while dec.eof and dec.unused_data:
+                        rest, dec = dec.unused_data, bz2.BZ2Decompressor()
+                        out += dec.decompress(rest)
+                except (OSError, EOFError) as err:
+                    raise TruncatedDump(f"corrupt bz2 data ({err})", self.bytes_read) from None
+                self.bytes_read += len(chunk)
+                if out:
+                    yield out
+                chunk = f.read(CHUNK_BYTES)
+            if not dec.eof:
+                raise TruncatedDump("bz2 stream ends before its end-of-stream marker (truncated file)",
+                                    self.bytes_read)
+
+    def _events(self) -> Iterator[tuple[str, ET.Element]]:
+        """(event, element) pairs; checks that the root is ``<mediawiki>``."""
+        parser = ET.XMLPullParser(events=("start", "end"))
+        root_seen = False
+        n_bytes = 0
+        try:
+            for data in self._raw_chunks():
+                n_bytes += len(data)
+                parser.feed(data)
+                for event, elem in parser.read_events():
+                    if not root_seen:
+                        if _local(elem.tag) != "mediawiki":
+                            raise DumpError(f"XML root element is <{_local(elem.tag)}>, not <mediawiki>: "
+                                            "not a MediaWiki XML dump")
+                        root_seen = True
+                    yield event, elem
+            if n_bytes == 0:
+                raise DumpError("the file decompresses to nothing")
+            parser.close()
+        except ET.ParseError as err:
+            if not root_seen:
+                raise DumpError(f"not an XML file ({err})") from None
+            raise TruncatedDump(f"XML ends or breaks early ({err})", self.bytes_read) from None
+
+    def read_siteinfo(self) -> SiteInfo:
+        """Read only the head of the file: validates it (``DumpError``) and returns its ``<siteinfo>``.
+
+        A fault after the ``<mediawiki>`` root is left for ``pages()`` to report as truncation.
+        """
+        try:
+            for event, elem in self._events():
+                if event == "end" and _local(elem.tag) == "siteinfo":
+                    self._set_siteinfo(elem)
+                    break
+                if event == "start" and _local(elem.tag) == "page":
+                    break
+        except TruncatedDump:
+            pass
+        return self.siteinfo
+
+    def _set_siteinfo(self, elem: ET.Element) -> None:
+        self.siteinfo.dbname = _child_text(elem, "dbname")
+        self.siteinfo.base = _child_text(elem, "base")
+        for child in elem:
+            if _local(child.tag) == "namespaces":
+                for ns in child:
+                    key, name = ns.get("key"), (ns.text or "").strip().lower()
+                    if name and key == "6":
+                        self.siteinfo.media_prefixes.add(name)
+                    elif name and key == "14":
+                        self.siteinfo.category_prefixes.add(name)
+
+    def pages(self) -> Iterator[Page]:
+        """Every page, in file order. Raises ``TruncatedDump`` after the last complete page."""
+        root = None
+        for event, elem in self._events():
+            if root is None:
+                root = elem
+            if event != "end":
+                continue
+            name = _local(elem.tag)
+            if name == "siteinfo":
+                self._set_siteinfo(elem)
+                root.clear()
+            elif name == "page":
+                yield self._page(elem)
+                root.clear()  # drop finished pages so memory stays flat
+
+    @staticmethod
+    def _page(elem: ET.Element) -> Page:
+        title, ns, page_id, text, redirect, target = "", 0, 0, "", False, None
+        for child in elem:
+            name = _local(child.tag)
+            if name == "title":
+                title = child.text or ""
+            elif name == "ns":
+                ns = int(child.text or 0)
+            elif name == "id":
+                page_id = int(child.text or 0)
+            elif name == "redirect":
+                redirect, target = True, child.get("title")
+            elif name == "revision":  # history dumps hold many revisions: the last one is current
+                text = _child_text(child, "text") or ""
+        redirect = redirect or text.lstrip()[:9].upper() == "#REDIRECT"
+        return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect, redirect_target=target)
+
+
+def skip_reason(page: Page) -> str | None:
+    """Why a page is not an article to keep (a ``skipped`` key), or None."""
+    if page.redirect:
+        return "redirect"
+    return "non_article" if page.ns != 0 else None
+
+
+# ----------------------------------------------------------------------------- multistream dumps and their index
+
+# A bz2 stream starts with "BZh", the block size digit and the magic of its first block (or of its
+# end-of-stream marker, for an empty stream). Ten bytes are enough to tell an offset that is a few
+# bytes off.
+_BZ2_STREAM_START = re.compile(rb"BZh[1-9](?:1AY&SY|\x17rE8P\x90)")
+
+
+@dataclass
+class Block:
+    """One bz2 stream of a multistream dump, as its index lists it."""
+
+    offset: int
+    line: int  # the index line of its first page
+    page_ids: list[int]
+
+
+def read_bz2_stream(path: str, offset: int) -> tuple[bytes, int]:
+    """Decompress the one bz2 stream starting at byte ``offset``: (its data, the offset just past it).
+
+    A fault raises ``TruncatedDump`` at ``offset``: the whole stream is lost, so that is where the loss starts.
+    """
+    dec, parts, pos = bz2.BZ2Decompressor(), [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while not dec.eof:
+            chunk = f.read(CHUNK_BYTES)
+            if not chunk:
+                raise TruncatedDump("bz2 stream ends before its end-of-stream marker (truncated file)", offset)
+            try:
+                parts.append(dec.decompress(chunk))
+            except (OSError, EOFError) as err:
+                raise TruncatedDump(f"corrupt bz2 data ({err})", offset) from None
+            pos += len(chunk)
+    return b"".join(parts), pos - len(dec.unused_data)
+
+
+class BlockReader(DumpReader):
+    """The pages of one bz2 stream of a multistream dump: ``DumpReader``'s parsing inside a synthetic root
+    (the stream holds bare ``<page>`` elements; the ``<siteinfo>`` is read once, from the dump's first stream)."""
+
+    def __init__(self, path: str, offset: int):
+        super().__init__(path)
+        self.offset = offset
+        self.end: int | None = None  # offset just past the stream, once read
+
+    def _raw_chunks(self) -> Iterator[bytes]:
+        self.bytes_read = self.offset  # a fault anywhere in the stream loses all of it
+        data, self.end = read_bz2_stream(self.path, self.offset)
+        yield b"<mediawiki>"
+        yield data
+        yield b"</mediawiki>"
+
+
+def _index_entry(raw: bytes, index: str, line: int) -> tuple[int, int]:
+    """(offset, page id) of one ``OFFSET:PAGE_ID:TITLE`` line (titles may hold ':' and are not needed)."""
+    parts = raw.rstrip(b"\r\n").split(b":", 2)
+    if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+        return int(parts[0]), int(parts[1])
+    raise BadIndex(f"{index}:{line}: expected OFFSET:PAGE_ID:TITLE, got {raw[:80]!r}")
+
+
+def index_blocks(index: str, dump: str) -> Iterator[Block]:
+    """The blocks of a multistream index (.txt or .txt.bz2), in file order, streamed: enwiki's has ~24 M lines.
+
+    Checks every line's form, that offsets ascend, and that each offset is within ``dump`` and starts a bz2 stream.
+    """
+    size = os.path.getsize(dump)
+    try:
+        f = open(index, "rb")
+    except OSError as err:
+        raise BadIndex(f"{index}: cannot open: {err.strerror}") from None
+    with f, open(dump, "rb") as d:
+        compressed = f.read(3) == b"BZh"
+        f.seek(0)
+        block, line = None, 0
+        try:
+            for line, raw in enumerate(bz2.open(f) if compressed else f, 1):
+                offset, page_id = _index_entry(raw, index, line)
+                if block is not None and offset == block.offset:
+                    block.page_ids.append(page_id)
+                    continue
+                if block is not None:
+                    if offset < block.offset:
+                        raise BadIndex(f"{index}:{line}: offset {offset} is below the previous line's {block.offset}; "
+                                       "an index lists the streams in file order")
+                    yield block
+                if offset >= size:
+                    raise BadIndex(f"{index}:{line}: offset {offset} is beyond the end of {dump} ({size} bytes)")
+                d.seek(offset)
+                if not _BZ2_STREAM_START.fullmatch(d.read(10)):
+                    raise BadIndex(f"{index}:{line}: offset {offset} is not the start of a bz2 stream in {dump}: "
+                                   "not this dump's index?")
+                block = Block(offset, line, [page_id])
+        except (OSError, EOFError) as err:  # a corrupt .bz2 index
+            raise BadIndex(f"{index}:{line + 1}: cannot read ({err})") from None
+    if block is None:
+        raise BadIndex(f"{index}: no index lines")
+    yield block
+
+
+def check_index(index: str, dump: str) -> None:
+    """Read the whole index once, before anything is written (``index_blocks`` checks each line), and check that
+    the dump's first bz2 stream (the ``<siteinfo>`` header, no pages) ends where the first listed block starts."""
+    blocks = index_blocks(index, dump)
+    first = next(blocks)
+    collections.deque(blocks, maxlen=0)
+    with open(dump, "rb") as d:
+        if not _BZ2_STREAM_START.fullmatch(d.read(10)):
+            raise BadIndex(f"{index}: a multistream index, but {dump} is not a bz2 file")
+    try:
+        header, end = read_bz2_stream(dump, 0)
+    except TruncatedDump as err:
+        raise DumpError(f"its first bz2 stream (the header): {err.message}") from None
+    if end != first.offset or b"<page>" in header:
+        raise BadIndex(f"{index}:{first.line}: the dump's first bz2 stream (ending at byte {end}) should be its "
+                       f"<siteinfo> header alone, ending where this first listed block starts ({first.offset})")
