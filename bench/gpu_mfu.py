@@ -1,6 +1,6 @@
 """Model FLOP utilisation of a BERT-base-sized encoder on one GPU: SimCSE and TaCL (masked LM) steps, bf16.
 
-    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--steps 20] [--zero 2] [--peak-tflops auto]
+    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--steps 20] [--zero 2] [--compile] [--padded] [--peak-tflops auto]
 
 A random-init BERT-base (clsys/configs/models/bert-base.json: 12 layers, d 768, vocab 30,522) trains
 on full-length sequences of --seq tokens (random words of a generated word-level vocabulary, so no
@@ -64,7 +64,8 @@ def build_objective(name: str, tokenizer_dir: str, args, tokenizer):
                  f"model.tokenizer={tokenizer_dir}", f"data.max_length={args.seq}", "cluster.num_workers=1",
                  f"train.batch_size={args.batch}", f"train.precision={args.precision}",
                  f"train.zero_stage={args.zero}", f"train.compile={args.compile}",
-                 f"train.steps={args.warmup + args.steps}", "optim.lr=1e-5"]
+                 f"train.steps={args.warmup + args.steps}", "optim.lr=1e-5",
+                 f"model.packed={str(not args.padded).lower()}"]
     if name == "tacl":
         overrides.append(f"objective.mask_cap={args.seq}")
     cfg = load_config(None, overrides)
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "bf16_weights"],
                         help="train.precision of the clsys step (the bare loop always autocasts)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (train.compile: true)")
+    parser.add_argument("--padded", action="store_true", help="model.packed: false (full-length rows have no pads, "
+                        "so packing only adds its index work here)")
     parser.add_argument("--ways", nargs="+", default=["bare", "clsys"], choices=["bare", "clsys"])
     parser.add_argument("--peak-tflops", default="auto", help="dense bf16 peak of the GPU; auto: by its name")
     args = parser.parse_args()

@@ -47,15 +47,20 @@ def cls_spearman(model_dir: str) -> float:
     return evaluate_sts(load_encoder(model_dir), load_tokenizer(model_dir), test, pooling="cls")["spearman"]
 
 
-def step_time(run_dir: str, skip: int = 0) -> float:
-    """Mean seconds per optimizer step that the run logged (perf/step_time_s), evaluations excluded,
-    leaving out the first ``skip`` logged intervals (warm-up)."""
+def logged_mean(run_dir: str, tag: str, skip: int = 0) -> float:
+    """The mean of a scalar the run logged to TensorBoard, leaving out its first ``skip`` values (warm-up)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
     events.Reload()
-    values = [e.value for e in events.Scalars("perf/step_time_s")][skip:]
+    values = [e.value for e in events.Scalars(tag)][skip:]
     return sum(values) / len(values)
+
+
+def step_time(run_dir: str, skip: int = 0) -> float:
+    """Mean seconds per optimizer step that the run logged (perf/step_time_s), evaluations excluded,
+    leaving out the first ``skip`` logged intervals (warm-up)."""
+    return logged_mean(run_dir, "perf/step_time_s", skip)
 
 
 def sts_sentence_stream(out: str) -> str:

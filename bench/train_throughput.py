@@ -1,25 +1,31 @@
 """SimCSE training throughput: a bare PyTorch loop, sentence-transformers, and clsys on 1 and 2 Ray workers.
 
-    python bench/train_throughput.py [--steps 30] [--warmup 5] [--batch 64] [--max-length 32] [--out runs/bench-throughput]
+    python bench/train_throughput.py [--steps 30] [--warmup 5] [--batch 64] [--max-length 32] [--profile]
+                                     [--out runs/bench-throughput]
 
 Same model (all-MiniLM-L6-v2, dropout 0.1), data (the bundled Wikipedia sample's sentences), global
 batch, max length, lr (3e-5, AdamW, grad clip 1.0), CLS pooling, τ 0.05 and number of steps for:
-  (a) bare: a plain loop, no framework: tokenise the batch, both dropout views in one forward,
+  (a) bare: a plain loop, no framework: tokenise the batch, both dropout views in one padded forward,
       InfoNCE, backward, AdamW: the overhead floor;
   (b) sentence-transformers: its model and MultipleNegativesRankingLoss (scale 20 = 1/τ) on identical
       sentence pairs, in a plain loop over them (no Trainer: its best case; one forward per view);
-  (c) clsys: ``python -m clsys.pretrain`` (quickstart recipe) through Ray Train + DeepSpeed ZeRO-2 with
-      1 worker (2 CPUs) and with 2 workers (1 CPU each), tokenisation in the loader workers; and once more
-      with 1 worker and length-grouped batches (``data.length_group_batches`` = K = --length-group): the
-      same sentences per step, less padding (an option the other ways lack; reported apart from the
-      targets). Its batch lengths vary within each window of K steps, so it is timed over whole windows:
-      K untimed steps, then the windows that --steps covers, rounded up, logged every K steps.
+  (c) clsys: ``python -m clsys.pretrain`` (quickstart recipe: packed rows, ``model.packed``) through Ray
+      Train + DeepSpeed ZeRO-2 with 1 worker (2 CPUs) and with 2 workers (1 CPU each), tokenisation in
+      the loader workers; once more with 1 worker and ``model.packed=false`` (padded batches, as (a) and
+      (b) run), and once with 1 worker and length-grouped batches (``data.length_group_batches`` = K =
+      --length-group): the same sentences per step, less padding (an option the other ways lack;
+      reported apart from the targets). Its batch lengths vary within each window of K steps, so it is
+      timed over whole windows: K untimed steps, then the windows that --steps covers, rounded up,
+      logged every K steps.
 Every way runs --warmup untimed steps, then --steps timed ones. (a) and (b) run in this process with
 all cores; (c)'s rate is the mean of its logged intervals (``perf/step_time_s``, one per --warmup steps)
-after the first, start-up and the final checkpoint excluded. (a), (b) read
-the same shuffled sentences; clsys reads the same shards in its own seeded order. Prints a table, then
-``ratio`` lines (targets: clsys 1 worker ≥ 1.2× sentence-transformers and ≥ 0.9× bare). Not part of the
-test suite.
+after the first, start-up and the final checkpoint excluded. (a), (b) read the same shuffled sentences;
+clsys reads the same shards in its own seeded order. Prints a table, then ``ratio`` lines (targets:
+clsys 1 worker ≥ 1.2× sentence-transformers and ≥ 1.0× bare, 2 workers ≥ 0.9× bare).
+
+--profile: the clsys runs log where their step's time goes (``train.profile``: forward + backward,
+optimizer, communication, loader wait, other), printed per row beside the bare loop's own split. On a
+CPU this adds no synchronisation, so the rows' rates stay comparable. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -46,43 +52,63 @@ from clsys import storage  # noqa: E402
 from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
 from sample_data import SAMPLE_SHARDS as SHARDS, sample_shards  # noqa: E402
-from sts_recipes import MODEL, sentence_transformers_simcse, step_time  # noqa: E402
+from sts_recipes import MODEL, logged_mean, sentence_transformers_simcse, step_time  # noqa: E402
 
 
-def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int) -> float:
-    """Seconds for the SimCSE steps of the plain loop after the first ``warmup``."""
+def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int) -> tuple[float, dict]:
+    """Seconds for the SimCSE steps of the plain loop after the first ``warmup``, and their split:
+    seconds per step by phase, and the share of padding in the batches."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(MODEL)
     model = load_encoder(MODEL, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5)
     model.train()
+    split = {"tokenize": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
+    real = padded = 0
     for step in range(steps):
         if step == warmup:
             start = time.perf_counter()
+            split = dict.fromkeys(split, 0.0)
+        marks = [time.perf_counter()]
         texts = sentences[step * batch % len(sentences):][:batch]
         inputs = tokenizer(texts * 2, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        real, padded = real + int(inputs["attention_mask"].sum()), padded + inputs["attention_mask"].numel()
+        marks.append(time.perf_counter())
         cls = model(**inputs).last_hidden_state[:, 0]
         z1, z2 = F.normalize(cls, dim=-1).chunk(2)
         loss = F.cross_entropy(z1 @ z2.T / 0.05, torch.arange(len(texts)))
         optimizer.zero_grad()
         loss.backward()
+        marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return time.perf_counter() - start
+        marks.append(time.perf_counter())
+        for phase, begin, end in zip(split, marks, marks[1:]):
+            split[phase] += end - begin
+    timed = steps - warmup
+    return time.perf_counter() - start, {**{k: v / timed for k, v in split.items()}, "padding": 1 - real / padded}
 
 
 def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int, out: str,
-              length_group: int = 0) -> float:
-    """Seconds per step of a clsys run: the mean of its logged intervals (``warmup`` steps each) after the first."""
-    name = f"simcse-{workers}w-k{length_group}"
+              length_group: int = 0, packed: bool = True, profile: bool = False) -> tuple[float, dict]:
+    """Seconds per step of a clsys run: the mean of its logged intervals (``warmup`` steps each) after the
+    first; and with ``profile``, its seconds per step by phase (means of the same intervals)."""
+    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}"
     subprocess.run([sys.executable, "-m", "clsys.pretrain", "--config", "quickstart", f"data.url={SHARDS}",
                     f"train.run_root={out}", f"train.name={name}", f"train.steps={steps}", f"train.batch_size={batch}",
                     f"data.max_length={max_length}", "optim.lr=3e-5", "optim.warmup_steps=0", "model.dropout=0.1",
                     f"train.log_every={warmup}", f"train.ckpt_every={steps}", "eval.sts_dev=", "eval.sts_test=",
                     f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={max(1, (os.cpu_count() or 2) // workers)}",
-                    f"data.length_group_batches={length_group}"],
+                    f"data.length_group_batches={length_group}", f"model.packed={str(packed).lower()}",
+                    f"train.profile={str(profile).lower()}"],
                    cwd=REPO, check=True)
-    return step_time(os.path.join(out, name), skip=1)
+    run = os.path.join(out, name)
+    split = {tag[len("perf/time_"):-2]: logged_mean(run, tag, skip=1) for tag in PHASE_TAGS} if profile else {}
+    return step_time(run, skip=1), split
+
+
+PHASE_TAGS = [f"perf/time_{phase}_s" for phase in ("forward_backward", "optimizer", "communication", "loader_wait",
+                                                    "other")]
 
 
 def main() -> None:
@@ -93,6 +119,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--out", default="runs/bench-throughput", help="run root of the clsys runs (replaced)")
     parser.add_argument("--length-group", type=int, default=16, help="K of the length-grouped clsys row")
+    parser.add_argument("--profile", action="store_true", help="print where each clsys row's step time goes")
     args = parser.parse_args()
     if args.max_length != 32:
         sys.exit("train_throughput: the sentence-transformers arm (bench/sts_recipes.py) is fixed at max length 32")
@@ -106,30 +133,45 @@ def main() -> None:
     random.seed(0)
 
     total, timed = args.warmup + args.steps, args.steps
-    per_step = {"bare PyTorch loop": bare_loop(sentences, total, args.batch, args.max_length, args.warmup) / timed}
+    bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
+    per_step = {"bare PyTorch loop": bare_seconds / timed}
     with tempfile.TemporaryDirectory() as tmp:
         per_step["sentence-transformers MNRL"] = sentence_transformers_simcse(
             str(SHARDS), total, args.batch, 3e-5, 0, tmp, warmup=args.warmup) / timed
-    for workers in (1, 2):
-        per_step[f"clsys, Ray + DeepSpeed, {workers} worker{'s' * (workers > 1)}"] = clsys_run(
-            workers, total, args.batch, args.max_length, args.warmup, out)
+    splits = {}
     k = args.length_group
-    per_step[f"clsys, 1 worker, length-grouped (K={k})"] = clsys_run(
-        1, k * (1 + -(-args.steps // k)), args.batch, args.max_length, k, out, k)
+    clsys_rows = [("clsys, Ray + DeepSpeed, 1 worker", (1, total, args.batch, args.max_length, args.warmup, out)),
+                  ("clsys, Ray + DeepSpeed, 2 workers", (2, total, args.batch, args.max_length, args.warmup, out)),
+                  ("clsys, 1 worker, padded (packed=false)", (1, total, args.batch, args.max_length, args.warmup, out,
+                                                              0, False)),
+                  (f"clsys, 1 worker, length-grouped (K={k})", (1, k * (1 + -(-args.steps // k)), args.batch,
+                                                                args.max_length, k, out, k))]
+    for way, run_args in clsys_rows:
+        per_step[way], splits[way] = clsys_run(*run_args, profile=args.profile)
 
-    print(f"\nSimCSE on {MODEL}, global batch {args.batch}, max length {args.max_length}, {args.steps} timed steps after {args.warmup}, "
-          f"{os.cpu_count()} CPU cores")
+    print(f"\nSimCSE on {MODEL}, global batch {args.batch}, max length {args.max_length}, {args.steps} timed steps after "
+          f"{args.warmup}, {os.cpu_count()} CPU cores; padding {100 * bare_split['padding']:.1f}% of the padded batches' "
+          f"tokens")
     print(f"{'way':<42} {'s/step':>7} {'steps/s':>8} {'sentences/s':>12}")
     for way, seconds in per_step.items():
         print(f"{way:<42} {seconds:>7.3f} {1 / seconds:>8.3f} {args.batch / seconds:>12.1f}")
-    bare, st, one, two, grouped = per_step.values()
+    if args.profile:
+        print("\nwhere the step goes, s/step (bare: its own marks; clsys: train.profile)")
+        print(f"{'way':<42} {'fwd+bwd':>8} {'optim':>7} {'comm':>7} {'loader':>7} {'other':>7}")
+        print(f"{'bare PyTorch loop (tokenising: loader)':<42} {bare_split['forward_backward']:>8.3f} "
+              f"{bare_split['optimizer']:>7.3f} {0:>7.3f} {bare_split['tokenize']:>7.3f} {0:>7.3f}")
+        for way, split in splits.items():
+            print(f"{way:<42} {split['forward_backward']:>8.3f} {split['optimizer']:>7.3f} "
+                  f"{split['communication']:>7.3f} {split['loader_wait']:>7.3f} {split['other']:>7.3f}")
+    bare, st, one, two, padded, grouped = per_step.values()
     print()
     print(f"ratio clsys_1w_over_sentence_transformers {st / one:.3f}")
     print(f"ratio clsys_1w_over_bare {bare / one:.3f}")
     print(f"ratio clsys_2w_over_bare {bare / two:.3f}")
+    print(f"ratio clsys_1w_padded_over_bare {bare / padded:.3f}")
+    print(f"ratio clsys_1w_packed_over_padded {padded / one:.3f}")
     print(f"ratio clsys_1w_grouped_over_sentence_transformers {st / grouped:.3f}")
     print(f"ratio clsys_1w_grouped_over_bare {bare / grouped:.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,7 @@ class ModelConfig:
     init: str = "pretrained"  # pretrained weights of model.name, or scratch: model.name is just the architecture
     tokenizer: str = ""  # tokenizer folder/URL (e.g. from data_prep tokenizer); "" = model.name's own
     dropout: float | None = None  # overrides hidden and attention dropout when set (SimCSE needs > 0)
+    packed: bool = True  # encoder forwards without pad tokens (clsys/model/packing.py); false: padded batches
 
 
 @dataclass
@@ -91,6 +92,7 @@ class TrainConfig:
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
     tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often
     log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
+    profile: bool = False  # log perf/time_<phase>_s: where the step's time goes (syncs the GPU at each phase)
 
 
 @dataclass

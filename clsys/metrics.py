@@ -8,7 +8,7 @@ import torch
 
 
 class Throughput:
-    """Counts samples, tokens and time spent waiting for the loader between two log points."""
+    """Counts samples, tokens, and time by phase (``clsys.engine.profile.StepClock``) between two log points."""
 
     def __init__(self):
         self.reset()
@@ -16,20 +16,27 @@ class Throughput:
     def reset(self) -> None:
         self.start = time.perf_counter()
         self.samples = self.tokens = 0
-        self.wait = 0.0
+        self.phases: dict[str, float] = {}
         self.steps = 0
 
-    def add(self, samples: int, tokens: torch.Tensor, wait: float) -> None:
+    def add(self, samples: int, tokens: torch.Tensor, phases: dict[str, float]) -> None:
         # ``tokens`` stays a tensor: summing on the host each step would force a sync.
         self.samples += samples
         self.tokens = self.tokens + tokens
-        self.wait += wait
+        for phase, seconds in phases.items():
+            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
         self.steps += 1
 
-    def rates(self) -> dict[str, float]:
+    def rates(self, phases: bool = False) -> dict[str, float]:
+        """Rates since the last call; with ``phases``, also seconds per step by phase, and ``other``: the
+        rest of the interval (metrics, logging, Ray's report, evaluation, checkpoints)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
+        steps = max(self.steps, 1)
         out = {"samples_per_s": self.samples / elapsed, "tokens_per_s": float(self.tokens) / elapsed,
-               "loader_wait_fraction": self.wait / elapsed, "step_time_s": elapsed / max(self.steps, 1)}
+               "loader_wait_fraction": self.phases.get("loader_wait", 0.0) / elapsed, "step_time_s": elapsed / steps}
+        if phases:
+            out.update({f"time_{phase}_s": seconds / steps for phase, seconds in self.phases.items()})
+            out["time_other_s"] = (elapsed - sum(self.phases.values())) / steps
         self.reset()
         return out
 

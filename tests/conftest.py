@@ -116,3 +116,21 @@ def tiny(tmp_path_factory) -> str:
     BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                max_position_embeddings=64).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_with_heads(tmp_path_factory) -> str:
+    """A small random BERT with pooler, MLM and NSP heads and the packaged tokenizer, as a model folder."""
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+
+    from clsys.model.encoder import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert-with-heads")
+    tokenizer = load_tokenizer("all-MiniLM-L6-v2")
+    torch.manual_seed(0)
+    BertForPreTraining(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64,
+                                  max_position_embeddings=128)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -59,18 +59,8 @@ def test_rr_negative_is_hard_with_probability_one_minus_three_quarters_to_the_ha
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A small random BERT (with pooler and MLM head) and the packaged tokenizer, as a model folder."""
-    from transformers import BertConfig, BertForPreTraining
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    tokenizer = load_tokenizer("all-MiniLM-L6-v2")
-    torch.manual_seed(0)
-    BertForPreTraining(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64,
-                                  max_position_embeddings=128)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+def tiny_model(tiny_bert_with_heads):
+    return tiny_bert_with_heads
 
 
 def make(tiny_model, *overrides) -> CLIR:

@@ -227,6 +227,12 @@ def test_rank_positions_depend_only_on_seed_and_count(tiny):
     assert sorted(permutation.rank_positions(0).tolist()) == list(range(16))
 
 
+def encoder_rows(kwargs: dict) -> int:
+    """How many rows an encoder call ran: a packed call (model.packed) gets one sequence and their layout."""
+    packing = kwargs.get("packing")
+    return packing.rows if packing is not None else kwargs["input_ids"].shape[0]
+
+
 def test_css_step_retrieves_naive_top_k_and_matches_loss_reference(tiny):
     k, b = 3, 4
     objective = make(tiny, stage="css", k=k)
@@ -254,7 +260,7 @@ def test_css_step_retrieves_naive_top_k_and_matches_loss_reference(tiny):
 
     calls, encodings = counting.calls, []
     hook = objective.model.register_forward_hook(
-        lambda module, args, kwargs, output: encodings.append((kwargs["input_ids"].shape[0], torch.is_grad_enabled())),
+        lambda module, args, kwargs, output: encodings.append((encoder_rows(kwargs), torch.is_grad_enabled())),
         with_kwargs=True)
     out = objective(batch)  # forward number 0: the positions drawn above
     hook.remove()

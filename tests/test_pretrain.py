@@ -55,7 +55,7 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
               "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
               "data.length_group_batches=3"]  # the resume at step 4 is in a window: it replays it
 
-    first = run("-m", "clsys.pretrain", *common, "train.steps=4")
+    first = run("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true")
     assert first.returncode == 0
     run_url = f"{runs}/s3run"
     assert [step for step, _ in complete_checkpoints(run_url)] == [2, 4]
@@ -68,6 +68,13 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
     assert len(scalars["train/loss"]) == 4 and all(v > 0 for v in scalars["train/loss"])
     assert scalars["train/alignment"][-1] > 0, "the two dropout views are identical: is dropout on?"
+    # train.profile: the step's time by phase; 2 ranks reduce gradients and gather embeddings every step.
+    phases = {p: scalars[f"perf/time_{p}_s"] for p in ("forward_backward", "optimizer", "communication",
+                                                       "loader_wait", "other")}
+    assert all(len(v) == 4 and min(v) >= 0 for v in phases.values()), phases
+    assert min(phases["communication"]) > 0 and min(phases["forward_backward"]) > 0
+    for i, step_time in enumerate(scalars["perf/step_time_s"]):
+        assert sum(v[i] for v in phases.values()) == pytest.approx(step_time, rel=1e-4)
 
     # A fresh run over existing checkpoints is refused; --resume latest continues from step 4.
     again = run("-m", "clsys.pretrain", *common, "train.steps=6")

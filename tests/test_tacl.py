@@ -134,7 +134,8 @@ def test_teacher_stays_frozen_and_the_mlm_head_is_tied(tiny_model):
 
 
 def test_fixed_padding_switch_pads_to_max_length(tiny_model):
-    cfg = load_config("tacl", [f"model.name={tiny_model}", "data.max_length=24", "objective.pad_negatives=true"])
+    cfg = load_config("tacl", [f"model.name={tiny_model}", "data.max_length=24", "objective.pad_negatives=true",
+                               "model.packed=false"])
     batch = TaCL(cfg, load_tokenizer(tiny_model)).collate([{"txt": "One sentence."}, {"txt": "Another, longer one."}])
     assert batch["input_ids"].shape == (2, 24)
     assert not (batch["chosen"] & (batch["attention_mask"] == 0)).any()

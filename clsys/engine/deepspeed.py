@@ -36,7 +36,7 @@ def ds_config(cfg: Config, load_universal: bool = False) -> dict:
         # bf16: the engine runs forward under torch.autocast; weights, gradients and AdamW stay fp32.
         "torch_autocast": {"enabled": t.precision == "bf16", "dtype": "bfloat16"},
         "bf16": {"enabled": t.precision == "bf16_weights"},
-        # Our optimizer is a plain torch AdamW (DeepSpeed's fused one needs CUDA kernels).
+        # Our optimizer is torch's fused AdamW (DeepSpeed's fused Adam needs a CUDA build).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -86,9 +86,11 @@ def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = Fal
             # As in BERT and the HF Trainer: no weight decay on biases and LayerNorm weights.
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # On GPU the fused AdamW (one kernel for all tensors); DeepSpeed's own fused Adam needs a CUDA build.
+    # torch's fused AdamW, on GPU and CPU alike: one pass over each tensor instead of ~10. On CPU, ZeRO's
+    # optimizer holds one flat fp32 partition far larger than the caches, which the unfused update streams
+    # through memory once per operation: MiniLM's ZeRO-2 step took 0.24 s unfused, 0.08 s fused (bench/README).
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                  fused=device.type == "cuda")
+                                  fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg, load_universal))

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from clsys.engine import checkpoint
 from clsys.engine.deepspeed import build_engine, init_distributed
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
+from clsys.engine.profile import StepClock
 from clsys.metrics import TensorBoard, Throughput
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
@@ -105,6 +105,8 @@ def train_worker(payload: dict) -> None:
     import ray.train
 
     cfg = config_from_dict(payload["config"])
+    # Before the process group exists: DeepSpeed's backend keeps references to some collectives it finds then.
+    clock = StepClock(torch.device("cuda" if cfg.cluster.use_gpu else "cpu"), cfg.train.profile)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     run = run_url(cfg)
@@ -192,9 +194,9 @@ def train_worker(payload: dict) -> None:
     stop_watch = StopWatch(run, cfg.cluster.stop_poll_s)
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
-            waited = time.perf_counter()
+            clock.start()
             batch = next(batches)
-            waited = time.perf_counter() - waited
+            clock.lap("loader_wait")
             keys = batch.pop("keys")
             skipped.update(batch.pop("data_skipped", {}))
             if cfg.train.log_sample_keys:
@@ -208,9 +210,11 @@ def train_worker(payload: dict) -> None:
             else:
                 out = engine(batch)
                 engine.backward(out.loss)
+            clock.lap("forward_backward")
             engine.step()
+            clock.lap("optimizer")
             tokens = sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask"))
-            meter.add(len(keys), tokens, waited)
+            meter.add(len(keys), tokens, clock.take())
         step += 1
 
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -219,7 +223,7 @@ def train_worker(payload: dict) -> None:
             grad_norm = engine.get_global_grad_norm()
             if grad_norm is not None:
                 values["grad_norm"] = float(grad_norm)
-            rates = meter.rates()
+            rates = meter.rates(phases=cfg.train.profile)
             # Every rank does the same work, so the job's rates are this rank's times the world size.
             for name in ("samples_per_s", "tokens_per_s"):
                 rates[name] *= world
@@ -243,6 +247,7 @@ def train_worker(payload: dict) -> None:
                 print(f"[clsys] step {step}: stopped on request", flush=True)
             break
     stop_watch.close()
+    clock.close()
     tb.close()
     _report_skipped(skipped, rank)
     if tb_sync is not None:

@@ -98,14 +98,22 @@ def _training_config(model_cfg, tokenizer):
     return path, config
 
 
+def _for_training(model: nn.Module, model_cfg) -> nn.Module:
+    if model_cfg.packed:
+        from clsys.model import packing
+
+        packing.enable(model)  # its attention then also takes packed rows (clsys.model.packing.encode)
+    return model
+
+
 def build_encoder(model_cfg, tokenizer) -> nn.Module:
     """The encoder (without NSP pooler) that an objective trains: pretrained or freshly initialised."""
     from transformers import AutoModel
 
     path, config = _training_config(model_cfg, tokenizer)
     if model_cfg.init == "scratch":
-        return AutoModel.from_config(config, **_without_pooler(config))
-    return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+        return _for_training(AutoModel.from_config(config, **_without_pooler(config)), model_cfg)
+    return _for_training(AutoModel.from_pretrained(path, config=config, **_without_pooler(config)), model_cfg)
 
 
 def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
@@ -118,6 +126,7 @@ def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
         model = AutoModelForMaskedLM.from_config(config)
     else:
         model = AutoModelForMaskedLM.from_pretrained(path, config=config)
+    _for_training(model, model_cfg)
     # The head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
     for attribute in ("cls", "lm_head"):
         if hasattr(model, attribute):
@@ -141,6 +150,7 @@ def build_bert_pretraining(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module, 
         model = AutoModelForPreTraining.from_config(config)
     else:
         model = AutoModelForPreTraining.from_pretrained(path, config=config)
+    _for_training(model, model_cfg)
     encoder, pooler = model.base_model, model.base_model.pooler
     encoder.pooler = None
     return encoder, model.cls.predictions, nn.Sequential(pooler, model.cls.seq_relationship)

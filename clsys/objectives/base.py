@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
+from clsys.model import packing
 
 
 @dataclass
@@ -90,6 +91,15 @@ class Objective(nn.Module):
         """Decoded shard samples (``txt``/``json`` fields, ``ids`` if pre-tokenized) → model inputs; runs in loader
         workers."""
         raise NotImplementedError
+
+    def encode(self, model: nn.Module, inputs: dict[str, torch.Tensor], output_hidden_states: bool = False):
+        """``model``'s output for the padded ``inputs`` (``input_ids``, ``attention_mask``, ``token_type_ids``),
+        run without the pad tokens when ``model.packed`` (clsys/model/packing.py); padded layout either way."""
+        return packing.encode(model, inputs, self.cfg.model.packed, output_hidden_states)
+
+    def encode_first(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, d]: ``model``'s last-layer ``[CLS]`` vectors; packed, its last layer computes those alone."""
+        return packing.encode_first(model, inputs, self.cfg.model.packed)
 
     def export_reranker_map(self) -> dict[str, str]:
         """For objectives that train a (query, document) relevance head: the parameter names of a

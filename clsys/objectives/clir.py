@@ -108,6 +108,9 @@ class CLIR(Objective):
                 raise ValueError(f"objective.{key}: expected {expected}")
         self.oc = oc
         self.model, self.mlm_head, nsp_head = build_bert_pretraining(cfg.model, tokenizer)
+        if cfg.model.packed and getattr(self.model.config, "attention_window", None):
+            raise ValueError("model.packed: BertLong's local/global attention mask needs padded batches; "
+                             "set model.packed: false")
         pooler = nsp_head[0]  # BERT's pretrained dense + tanh on [CLS]; its NSP classifier is not used
         self.rr_head = nn.Sequential(pooler, nn.Dropout(oc.rr_dropout), nn.Linear(pooler.dense.out_features, 2))
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, bernoulli=True)
@@ -164,7 +167,8 @@ class CLIR(Objective):
 
     def _hidden(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
         mask = long_attention_mask(self.model.config, input_ids, attention_mask, token_type_ids, self.model.dtype)
-        return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids).last_hidden_state
+        return self.encode(self.model, {"input_ids": input_ids, "attention_mask": mask,
+                                        "token_type_ids": token_type_ids}).last_hidden_state
 
     def qlm_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self._hidden(batch["qlm_masked_input_ids"], batch["qlm_attention_mask"], batch["qlm_token_type_ids"])

@@ -180,7 +180,7 @@ class CSSLM(Objective):
     # ---- views and classification -------------------------------------------------------------
 
     def _views(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.encode(self.model, {"input_ids": input_ids, "attention_mask": attention_mask}).last_hidden_state
         return two_views(hidden, attention_mask)
 
     @contextlib.contextmanager

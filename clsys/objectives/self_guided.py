@@ -190,9 +190,9 @@ class SelfGuided(Objective):
 
     def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per sentence [1 + V, P]: f(c) of BERT_T's [CLS], then f of its V layer views of BERT_F."""
-        c = self.head(self.model(**batch).last_hidden_state[:, 0])
+        c = self.head(self.encode_first(self.model, batch))
         with torch.no_grad():
-            hidden_states = self.frozen(**batch, output_hidden_states=True).hidden_states
+            hidden_states = self.encode(self.frozen, batch, output_hidden_states=True).hidden_states
             views = pool_layers(hidden_states, batch["attention_mask"], self.oc.layer_pooling)  # [b, L+1, d]
         if self.oc.loss != "sg_opt":
             # σ: one layer per sentence, uniform over 0..L (§5.1); only the sampled views are projected.

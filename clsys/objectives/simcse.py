@@ -110,10 +110,11 @@ class SimCSE(Objective):
         return {k: v for k, v in batch.items() if k not in ("masked_input_ids", "chosen")}
 
     def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.model(**self._encoder_inputs(batch)).last_hidden_state
-        if self.mlp is not None:
-            return self.mlp(hidden[:, 0])
-        return pool(hidden, batch["attention_mask"], self.pooler)
+        inputs = self._encoder_inputs(batch)
+        if self.pooler in ("cls_mlp", "cls"):  # [CLS] alone: the last layer skips the other tokens' work
+            cls = self.encode_first(self.model, inputs)
+            return cls if self.mlp is None else self.mlp(cls)
+        return pool(self.encode(self.model, inputs).last_hidden_state, batch["attention_mask"], self.pooler)
 
     def embedding_loss(self, z: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
         if self.supervised:
@@ -130,7 +131,7 @@ class SimCSE(Objective):
         if self.mlm_head is None:
             return None
         inputs = {**self._encoder_inputs(chunk), "input_ids": chunk["masked_input_ids"]}
-        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, self.model(**inputs).last_hidden_state,
+        mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, self.encode(self.model, inputs).last_hidden_state,
                                            chunk["input_ids"], chunk["chosen"], positions=whole["chosen"].sum())
         return LossOutput(self.cfg.objective.mlm_weight * mlm, {"mlm_loss": mlm.detach(),
                                                                 "mlm_accuracy": mlm_accuracy.detach()})

@@ -105,6 +105,9 @@ class TaCL(Objective):
         oc: TaCLConfig = cfg.objective
         if oc.export_pooling not in POOLINGS:
             raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
+        if oc.pad_negatives and cfg.model.packed:
+            raise ValueError("objective.pad_negatives: contrasts the pad tokens' representations, which a packed "
+                             "forward does not compute; set model.packed: false")
         # The student: encoder + MLM head (new and tied to the word embeddings when the checkpoint
         # has none); works from scratch too (model.init: scratch with a SentencePiece tokenizer).
         if oc.nsp_weight:
@@ -138,9 +141,9 @@ class TaCL(Objective):
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         clean, chosen = batch["input_ids"], batch["chosen"]
         inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "masked_input_ids", "chosen", "nsp_labels")}
-        hidden = self.model(input_ids=batch["masked_input_ids"], **inputs).last_hidden_state
+        hidden = self.encode(self.model, {"input_ids": batch["masked_input_ids"], **inputs}).last_hidden_state
         with torch.no_grad():
-            target = self.teacher(input_ids=clean, **inputs).last_hidden_state
+            target = self.encode(self.teacher, {"input_ids": clean, **inputs}).last_hidden_state
 
         mlm, mlm_accuracy = masked_lm_loss(self.mlm_head, hidden, clean, chosen)
         candidates = torch.ones_like(chosen) if self.oc.pad_negatives else batch["attention_mask"].bool()
