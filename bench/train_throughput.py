@@ -17,6 +17,9 @@ batch, max length, lr (3e-5, AdamW, grad clip 1.0), CLS pooling, τ 0.05 and num
       reported apart from the targets). Its batch lengths vary within each window of K steps, so it is
       timed over whole windows: K untimed steps, then the windows that --steps covers, rounded up,
       logged every K steps.
+Every row above computes in fp32 (``train.precision=fp32``). On a CPU with bf16 matrix units, three
+more rows, apart from the targets: (a) under ``torch.autocast`` bf16, and clsys with 1 and 2 workers
+at ``train.precision=auto`` (what the quickstart ships: bf16 autocast there, fp32 weights and AdamW).
 Every way runs --warmup untimed steps, then --steps timed ones. (a) and (b) run in this process with
 all cores; (c)'s rate is the mean of its logged intervals (``perf/step_time_s``, one per --warmup steps)
 after the first, start-up and the final checkpoint excluded. (a), (b) read the same shuffled sentences;
@@ -50,14 +53,17 @@ import torch.nn.functional as F  # noqa: E402
 
 from clsys import storage  # noqa: E402
 from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
+from clsys.engine.deepspeed import bf16_matmul_units  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
 from sample_data import SAMPLE_SHARDS as SHARDS, sample_shards  # noqa: E402
 from sts_recipes import MODEL, logged_mean, sentence_transformers_simcse, step_time  # noqa: E402
 
 
-def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int) -> tuple[float, dict]:
+def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int,
+              bf16: bool = False) -> tuple[float, dict]:
     """Seconds for the SimCSE steps of the plain loop after the first ``warmup``, and their split:
-    seconds per step by phase, and the share of padding in the batches."""
+    seconds per step by phase, and the share of padding in the batches. ``bf16``: the forward under
+    torch.autocast (bf16), as a user would add it."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(MODEL)
     model = load_encoder(MODEL, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
@@ -74,7 +80,8 @@ def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, war
         inputs = tokenizer(texts * 2, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         real, padded = real + int(inputs["attention_mask"].sum()), padded + inputs["attention_mask"].numel()
         marks.append(time.perf_counter())
-        cls = model(**inputs).last_hidden_state[:, 0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            cls = model(**inputs).last_hidden_state[:, 0].float()
         z1, z2 = F.normalize(cls, dim=-1).chunk(2)
         loss = F.cross_entropy(z1 @ z2.T / 0.05, torch.arange(len(texts)))
         optimizer.zero_grad()
@@ -90,16 +97,18 @@ def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, war
 
 
 def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int, out: str,
-              length_group: int = 0, packed: bool = True, profile: bool = False) -> tuple[float, dict]:
+              length_group: int = 0, packed: bool = True, precision: str = "fp32",
+              profile: bool = False) -> tuple[float, dict]:
     """Seconds per step of a clsys run: the mean of its logged intervals (``warmup`` steps each) after the
     first; and with ``profile``, its seconds per step by phase (means of the same intervals)."""
-    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}"
+    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}-{precision}"
     subprocess.run([sys.executable, "-m", "clsys.pretrain", "--config", "quickstart", f"data.url={SHARDS}",
                     f"train.run_root={out}", f"train.name={name}", f"train.steps={steps}", f"train.batch_size={batch}",
                     f"data.max_length={max_length}", "optim.lr=3e-5", "optim.warmup_steps=0", "model.dropout=0.1",
                     f"train.log_every={warmup}", f"train.ckpt_every={steps}", "eval.sts_dev=", "eval.sts_test=",
                     f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={max(1, (os.cpu_count() or 2) // workers)}",
                     f"data.length_group_batches={length_group}", f"model.packed={str(packed).lower()}",
+                    f"train.precision={precision}",
                     f"train.profile={str(profile).lower()}"],
                    cwd=REPO, check=True)
     run = os.path.join(out, name)
@@ -140,14 +149,23 @@ def main() -> None:
             str(SHARDS), total, args.batch, 3e-5, 0, tmp, warmup=args.warmup) / timed
     splits = {}
     k = args.length_group
-    clsys_rows = [("clsys, Ray + DeepSpeed, 1 worker", (1, total, args.batch, args.max_length, args.warmup, out)),
-                  ("clsys, Ray + DeepSpeed, 2 workers", (2, total, args.batch, args.max_length, args.warmup, out)),
-                  ("clsys, 1 worker, padded (packed=false)", (1, total, args.batch, args.max_length, args.warmup, out,
-                                                              0, False)),
-                  (f"clsys, 1 worker, length-grouped (K={k})", (1, k * (1 + -(-args.steps // k)), args.batch,
-                                                                args.max_length, k, out, k))]
-    for way, run_args in clsys_rows:
-        per_step[way], splits[way] = clsys_run(*run_args, profile=args.profile)
+    same = dict(steps=total, batch=args.batch, max_length=args.max_length, warmup=args.warmup, out=out)
+    clsys_rows = {"clsys, Ray + DeepSpeed, 1 worker": dict(workers=1, **same),
+                  "clsys, Ray + DeepSpeed, 2 workers": dict(workers=2, **same),
+                  "clsys, 1 worker, padded (packed=false)": dict(workers=1, packed=False, **same),
+                  f"clsys, 1 worker, length-grouped (K={k})": dict(
+                      same, workers=1, steps=k * (1 + -(-args.steps // k)), warmup=k, length_group=k)}
+    for way, run_args in clsys_rows.items():
+        per_step[way], splits[way] = clsys_run(**run_args, profile=args.profile)
+    # Apart from the targets (other arithmetic than the rows above): bf16 autocast, which the quickstart's
+    # train.precision: auto picks on a CPU with bf16 matrix units, against a bare loop that autocasts too.
+    if bf16_matmul_units(use_gpu=False):
+        per_step["bare PyTorch loop, bf16 autocast"] = bare_loop(sentences, total, args.batch, args.max_length,
+                                                                 args.warmup, bf16=True)[0] / timed
+        for workers in (1, 2):
+            way = f"clsys, {workers} worker{'s' * (workers > 1)}, bf16 (precision=auto)"
+            per_step[way], splits[way] = clsys_run(**dict(same, workers=workers, precision="auto"),
+                                                   profile=args.profile)
 
     print(f"\nSimCSE on {MODEL}, global batch {args.batch}, max length {args.max_length}, {args.steps} timed steps after "
           f"{args.warmup}, {os.cpu_count()} CPU cores; padding {100 * bare_split['padding']:.1f}% of the padded batches' "
@@ -163,7 +181,7 @@ def main() -> None:
         for way, split in splits.items():
             print(f"{way:<42} {split['forward_backward']:>8.3f} {split['optimizer']:>7.3f} "
                   f"{split['communication']:>7.3f} {split['loader_wait']:>7.3f} {split['other']:>7.3f}")
-    bare, st, one, two, padded, grouped = per_step.values()
+    bare, st, one, two, padded, grouped = list(per_step.values())[:6]
     print()
     print(f"ratio clsys_1w_over_sentence_transformers {st / one:.3f}")
     print(f"ratio clsys_1w_over_bare {bare / one:.3f}")
@@ -172,6 +190,13 @@ def main() -> None:
     print(f"ratio clsys_1w_packed_over_padded {padded / one:.3f}")
     print(f"ratio clsys_1w_grouped_over_sentence_transformers {st / grouped:.3f}")
     print(f"ratio clsys_1w_grouped_over_bare {bare / grouped:.3f}")
+    if "bare PyTorch loop, bf16 autocast" in per_step:
+        bare_bf16, one_bf16, two_bf16 = list(per_step.values())[6:]
+        print(f"ratio clsys_1w_bf16_over_bare_bf16 {bare_bf16 / one_bf16:.3f}")
+        print(f"ratio clsys_1w_bf16_over_bare {bare / one_bf16:.3f}")
+        print(f"ratio clsys_2w_bf16_over_bare {bare / two_bf16:.3f}")
+        print(f"ratio clsys_1w_bf16_over_sentence_transformers {st / one_bf16:.3f}")
+
 
 if __name__ == "__main__":
     main()

@@ -82,7 +82,8 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 42
     # fp32; bf16: autocast (bf16 matmuls, fp32 weights, gradients and optimizer state); bf16_weights:
-    # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory)
+    # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory);
+    # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision)
     precision: str = "fp32"
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
     zero_stage: int = 2
@@ -172,7 +173,8 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by cluster.num_workers × train.grad_accum "
                 f"= {self.cluster.num_workers} × {t.grad_accum}")
         checks = [
-            ("train.precision", t.precision in ("fp32", "bf16", "bf16_weights"), "fp32, bf16 or bf16_weights"),
+            ("train.precision", t.precision in ("fp32", "bf16", "bf16_weights", "auto"),
+             "fp32, bf16, bf16_weights or auto"),
             ("train.zero_stage", t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
             ("train.steps", t.steps > 0, "> 0"),
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),

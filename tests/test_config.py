@@ -46,7 +46,7 @@ def test_nested_groups_from_overrides_and_yaml(tmp_path):
     ("train.steps=true", "train.steps: expected an integer"),
     ("objective.gather=maybe", "objective.gather: expected true or false"),
     ("optim.betas=[0.9]", "optim.betas: expected a list of 2 values"),
-    ("train.precision=fp8", "train.precision: expected fp32, bf16 or bf16_weights"),
+    ("train.precision=fp8", "train.precision: expected fp32, bf16, bf16_weights or auto"),
     ("train.batch_size=31", "train.batch_size=31 is not divisible"),
     ("train.steps", "is not of the form key=value"),
 ])

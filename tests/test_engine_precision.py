@@ -3,7 +3,7 @@
 - ``train.precision: bf16``: DeepSpeed's torch autocast: the encoder computes in bf16 while weights,
   gradients and AdamW stay fp32 (the bf16 mode meant for GPUs);
 - ``bf16_weights``: DeepSpeed's bf16 mode, the weights themselves in bf16;
-- ``fp32``: everything fp32;
+- ``fp32``: everything fp32; ``auto``: bf16 where the CPU has bf16 matrix units (AVX512-BF16, AMX), else fp32;
 - ``train.compile: true``: the Hugging Face encoder runs through torch.compile (inductor, CPU here) and
   gives the eager step's loss and weights.
 Each case runs in a spawned process with its own process group, so nothing leaks into pytest's.
@@ -52,7 +52,10 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
         engine.step()
         losses.append(loss.item())
     after = {k: v.detach().float() for k, v in objective.model.state_dict().items()}
+    from deepspeed.runtime.zero import stage_1_and_2
+
     out.update(losses=losses, param_dtypes={str(p.dtype) for p in objective.model.parameters()},
+               norm_dtype=str(stage_1_and_2.get_norm_dtype()), grad_norm=float(engine.get_global_grad_norm()),
                hidden_dtypes={str(d) for d in hidden_dtypes},
                changed=sum(not torch.equal(before[k], after[k]) for k in before),
                compiled=getattr(objective.model, "_compiled_call_impl", None) is not None,
@@ -70,16 +73,25 @@ def fp32_step(tiny) -> dict:
     return run_step(tiny, "train.precision=fp32")
 
 
+def bf16_units() -> bool:
+    from clsys.engine.deepspeed import bf16_matmul_units
+
+    return bf16_matmul_units(use_gpu=False)
+
+
 @pytest.mark.parametrize("precision, params, compute", [
     ("fp32", {"torch.float32"}, {"torch.float32"}),
     ("bf16", {"torch.float32"}, {"torch.bfloat16"}),
     ("bf16_weights", {"torch.bfloat16"}, {"torch.bfloat16"}),
+    ("auto", {"torch.float32"}, {"torch.bfloat16" if bf16_units() else "torch.float32"}),
 ])
 def test_precision_modes(tiny, fp32_step, precision, params, compute):
     out = fp32_step if precision == "fp32" else run_step(tiny, f"train.precision={precision}")
     assert out["param_dtypes"] == params
     assert out["hidden_dtypes"] == compute
     assert out["changed"] > 0  # the optimizer stepped every weight tensor it owns
+    # ZeRO's gradient norm in fp32 on CPU (clsys.engine.deepspeed._grad_norms_in_fp32), still a real norm.
+    assert out["norm_dtype"] == "torch.float32" and 0 < out["grad_norm"] < float("inf")
     # The same function in lower precision: the first loss within bf16's rounding of the fp32 one.
     torch.testing.assert_close(out["losses"][0], fp32_step["losses"][0], rtol=2e-2, atol=0)
 

@@ -19,7 +19,7 @@ from clsys import storage
 from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
 from clsys.engine import checkpoint
-from clsys.engine.deepspeed import build_engine, init_distributed
+from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
@@ -116,7 +116,8 @@ def train_worker(payload: dict) -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     # Fault tooling and operators find a rank's process by this line (tests/faults.py).
-    print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads", flush=True)
+    print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
+          f"precision {step_precision(cfg)}", flush=True)
     resume = _choose_resume(run, payload.get("resume"))
     saved_world = checkpoint.saved_world_size(resume) if resume else world
     engine = build_engine(objective, cfg, load_universal=saved_world != world)
@@ -145,7 +146,7 @@ def train_worker(payload: dict) -> None:
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
             "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
             "export_reranker_map": objective.export_reranker_map(),
-            "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
+            "precision": step_precision(cfg), "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
 
     def hf_files(folder: str) -> None:
         tokenizer.save_pretrained(folder)
