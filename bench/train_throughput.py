@@ -96,6 +96,19 @@ def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, war
     return time.perf_counter() - start, {**{k: v / timed for k, v in split.items()}, "padding": 1 - real / padded}
 
 
+PHASE_TAGS = [f"perf/time_{phase}_s" for phase in ("forward_backward", "optimizer", "communication", "loader_wait",
+                                                    "other")]
+
+# The ratio lines: (name, way, reference): the reference's s/step over the way's (> 1: the way is faster).
+RATIOS = [("clsys_1w_over_sentence_transformers", "1w", "st"), ("clsys_1w_over_bare", "1w", "bare"),
+          ("clsys_2w_over_bare", "2w", "bare"), ("clsys_1w_padded_over_bare", "1w_padded", "bare"),
+          ("clsys_1w_packed_over_padded", "1w", "1w_padded"),
+          ("clsys_1w_grouped_over_sentence_transformers", "1w_grouped", "st"),
+          ("clsys_1w_grouped_over_bare", "1w_grouped", "bare"),
+          ("clsys_1w_bf16_over_bare_bf16", "1w_bf16", "bare_bf16"), ("clsys_1w_bf16_over_bare", "1w_bf16", "bare"),
+          ("clsys_2w_bf16_over_bare", "2w_bf16", "bare"), ("clsys_1w_bf16_over_sentence_transformers", "1w_bf16", "st")]
+
+
 def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int, out: str,
               length_group: int = 0, packed: bool = True, precision: str = "fp32",
               profile: bool = False) -> tuple[float, dict]:
@@ -114,10 +127,6 @@ def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int
     run = os.path.join(out, name)
     split = {tag[len("perf/time_"):-2]: logged_mean(run, tag, skip=1) for tag in PHASE_TAGS} if profile else {}
     return step_time(run, skip=1), split
-
-
-PHASE_TAGS = [f"perf/time_{phase}_s" for phase in ("forward_backward", "optimizer", "communication", "loader_wait",
-                                                    "other")]
 
 
 def main() -> None:
@@ -142,60 +151,52 @@ def main() -> None:
     random.seed(0)
 
     total, timed = args.warmup + args.steps, args.steps
-    bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
-    per_step = {"bare PyTorch loop": bare_seconds / timed}
-    with tempfile.TemporaryDirectory() as tmp:
-        per_step["sentence-transformers MNRL"] = sentence_transformers_simcse(
-            str(SHARDS), total, args.batch, 3e-5, 0, tmp, warmup=args.warmup) / timed
-    splits = {}
     k = args.length_group
+    labels = {"bare": "bare PyTorch loop", "st": "sentence-transformers MNRL",
+              "1w": "clsys, Ray + DeepSpeed, 1 worker", "2w": "clsys, Ray + DeepSpeed, 2 workers",
+              "1w_padded": "clsys, 1 worker, padded (packed=false)",
+              "1w_grouped": f"clsys, 1 worker, length-grouped (K={k})",
+              "bare_bf16": "bare PyTorch loop, bf16 autocast", "1w_bf16": "clsys, 1 worker, bf16 (precision=auto)",
+              "2w_bf16": "clsys, 2 workers, bf16 (precision=auto)"}
+    bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
+    per_step = {"bare": bare_seconds / timed}
+    with tempfile.TemporaryDirectory() as tmp:
+        per_step["st"] = sentence_transformers_simcse(str(SHARDS), total, args.batch, 3e-5, 0, tmp,
+                                                      warmup=args.warmup) / timed
     same = dict(steps=total, batch=args.batch, max_length=args.max_length, warmup=args.warmup, out=out)
-    clsys_rows = {"clsys, Ray + DeepSpeed, 1 worker": dict(workers=1, **same),
-                  "clsys, Ray + DeepSpeed, 2 workers": dict(workers=2, **same),
-                  "clsys, 1 worker, padded (packed=false)": dict(workers=1, packed=False, **same),
-                  f"clsys, 1 worker, length-grouped (K={k})": dict(
-                      same, workers=1, steps=k * (1 + -(-args.steps // k)), warmup=k, length_group=k)}
-    for way, run_args in clsys_rows.items():
-        per_step[way], splits[way] = clsys_run(**run_args, profile=args.profile)
+    clsys_rows = {"1w": dict(workers=1, **same), "2w": dict(workers=2, **same),
+                  "1w_padded": dict(workers=1, packed=False, **same),
+                  "1w_grouped": dict(same, workers=1, steps=k * (1 + -(-args.steps // k)), warmup=k, length_group=k)}
     # Apart from the targets (other arithmetic than the rows above): bf16 autocast, which the quickstart's
     # train.precision: auto picks on a CPU with bf16 matrix units, against a bare loop that autocasts too.
     if bf16_matmul_units(use_gpu=False):
-        per_step["bare PyTorch loop, bf16 autocast"] = bare_loop(sentences, total, args.batch, args.max_length,
-                                                                 args.warmup, bf16=True)[0] / timed
-        for workers in (1, 2):
-            way = f"clsys, {workers} worker{'s' * (workers > 1)}, bf16 (precision=auto)"
-            per_step[way], splits[way] = clsys_run(**dict(same, workers=workers, precision="auto"),
-                                                   profile=args.profile)
+        per_step["bare_bf16"] = bare_loop(sentences, total, args.batch, args.max_length, args.warmup,
+                                          bf16=True)[0] / timed
+        clsys_rows.update({f"{w}w_bf16": dict(same, workers=w, precision="auto") for w in (1, 2)})
+    splits = {}
+    for way, run_args in clsys_rows.items():
+        per_step[way], splits[way] = clsys_run(**run_args, profile=args.profile)
 
     print(f"\nSimCSE on {MODEL}, global batch {args.batch}, max length {args.max_length}, {args.steps} timed steps after "
           f"{args.warmup}, {os.cpu_count()} CPU cores; padding {100 * bare_split['padding']:.1f}% of the padded batches' "
           f"tokens")
     print(f"{'way':<42} {'s/step':>7} {'steps/s':>8} {'sentences/s':>12}")
-    for way, seconds in per_step.items():
-        print(f"{way:<42} {seconds:>7.3f} {1 / seconds:>8.3f} {args.batch / seconds:>12.1f}")
+    for way in labels:
+        if way in per_step:
+            seconds = per_step[way]
+            print(f"{labels[way]:<42} {seconds:>7.3f} {1 / seconds:>8.3f} {args.batch / seconds:>12.1f}")
     if args.profile:
         print("\nwhere the step goes, s/step (bare: its own marks; clsys: train.profile)")
         print(f"{'way':<42} {'fwd+bwd':>8} {'optim':>7} {'comm':>7} {'loader':>7} {'other':>7}")
         print(f"{'bare PyTorch loop (tokenising: loader)':<42} {bare_split['forward_backward']:>8.3f} "
               f"{bare_split['optimizer']:>7.3f} {0:>7.3f} {bare_split['tokenize']:>7.3f} {0:>7.3f}")
         for way, split in splits.items():
-            print(f"{way:<42} {split['forward_backward']:>8.3f} {split['optimizer']:>7.3f} "
+            print(f"{labels[way]:<42} {split['forward_backward']:>8.3f} {split['optimizer']:>7.3f} "
                   f"{split['communication']:>7.3f} {split['loader_wait']:>7.3f} {split['other']:>7.3f}")
-    bare, st, one, two, padded, grouped = list(per_step.values())[:6]
     print()
-    print(f"ratio clsys_1w_over_sentence_transformers {st / one:.3f}")
-    print(f"ratio clsys_1w_over_bare {bare / one:.3f}")
-    print(f"ratio clsys_2w_over_bare {bare / two:.3f}")
-    print(f"ratio clsys_1w_padded_over_bare {bare / padded:.3f}")
-    print(f"ratio clsys_1w_packed_over_padded {padded / one:.3f}")
-    print(f"ratio clsys_1w_grouped_over_sentence_transformers {st / grouped:.3f}")
-    print(f"ratio clsys_1w_grouped_over_bare {bare / grouped:.3f}")
-    if "bare PyTorch loop, bf16 autocast" in per_step:
-        bare_bf16, one_bf16, two_bf16 = list(per_step.values())[6:]
-        print(f"ratio clsys_1w_bf16_over_bare_bf16 {bare_bf16 / one_bf16:.3f}")
-        print(f"ratio clsys_1w_bf16_over_bare {bare / one_bf16:.3f}")
-        print(f"ratio clsys_2w_bf16_over_bare {bare / two_bf16:.3f}")
-        print(f"ratio clsys_1w_bf16_over_sentence_transformers {st / one_bf16:.3f}")
+    for name, way, reference in RATIOS:
+        if way in per_step and reference in per_step:
+            print(f"ratio {name} {per_step[reference] / per_step[way]:.3f}")
 
 
 if __name__ == "__main__":

@@ -116,8 +116,9 @@ def train_worker(payload: dict) -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     objective: Objective = OBJECTIVES[cfg.objective.name](cfg, tokenizer)
     # Fault tooling and operators find a rank's process by this line (tests/faults.py).
+    precision = step_precision(cfg)  # what train.precision: auto means on this worker's device
     print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
-          f"precision {step_precision(cfg)}", flush=True)
+          f"precision {precision}", flush=True)
     resume = _choose_resume(run, payload.get("resume"))
     saved_world = checkpoint.saved_world_size(resume) if resume else world
     engine = build_engine(objective, cfg, load_universal=saved_world != world)
@@ -146,7 +147,7 @@ def train_worker(payload: dict) -> None:
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
             "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
             "export_reranker_map": objective.export_reranker_map(),
-            "precision": step_precision(cfg), "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
+            "precision": precision, "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
 
     def hf_files(folder: str) -> None:
         tokenizer.save_pretrained(folder)

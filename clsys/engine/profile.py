@@ -44,8 +44,8 @@ class StepClock:
         self._sync()
         self.last, self.communication_mark = time.perf_counter(), self.communication
 
-    def lap(self, phase: str) -> float:
-        """Charge the time since the last mark to ``phase`` (collectives to ``communication``); returns it."""
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last mark to ``phase`` (collectives to ``communication``)."""
         self._sync()
         now = time.perf_counter()
         communication = self.communication - self.communication_mark
@@ -53,7 +53,6 @@ class StepClock:
         self.phases[phase] += elapsed
         self.phases["communication"] += communication
         self.last, self.communication_mark = now, self.communication
-        return elapsed
 
     def take(self) -> dict[str, float]:
         """The seconds per phase since the last ``take``."""

@@ -98,12 +98,11 @@ def _training_config(model_cfg, tokenizer):
     return path, config
 
 
-def _for_training(model: nn.Module, model_cfg) -> nn.Module:
+def _for_training(model: nn.Module, model_cfg) -> None:
     if model_cfg.packed:
         from clsys.model import packing
 
         packing.enable(model)  # its attention then also takes packed rows (clsys.model.packing.encode)
-    return model
 
 
 def build_encoder(model_cfg, tokenizer) -> nn.Module:
@@ -112,8 +111,11 @@ def build_encoder(model_cfg, tokenizer) -> nn.Module:
 
     path, config = _training_config(model_cfg, tokenizer)
     if model_cfg.init == "scratch":
-        return _for_training(AutoModel.from_config(config, **_without_pooler(config)), model_cfg)
-    return _for_training(AutoModel.from_pretrained(path, config=config, **_without_pooler(config)), model_cfg)
+        model = AutoModel.from_config(config, **_without_pooler(config))
+    else:
+        model = AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+    _for_training(model, model_cfg)
+    return model
 
 
 def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:

@@ -35,6 +35,7 @@ Supported: models whose attention goes through ``AttentionInterface`` (BERT, RoB
 """
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -79,8 +80,13 @@ class Packing:
         out = values.new_zeros(self.rows * self.width, *values.shape[1:])
         return out.index_copy(0, self.token_index, values).view(self.rows, self.width, *values.shape[1:])
 
+    def by_row(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] → [B, H, L, D], zeros at the pads: one row's heads laid out for a padded SDPA call."""
+        return self.unpack(tokens.unsqueeze(0)).transpose(1, 2)
+
+    @functools.cached_property
     def key_mask(self) -> torch.Tensor:
-        """[B, 1, 1, L] bool: which keys of the padded layout are real tokens."""
+        """[B, 1, 1, L] bool: which keys of the padded layout are real tokens (built once, read by every layer)."""
         real = torch.zeros(self.rows * self.width, dtype=torch.bool, device=self.token_index.device)
         return real.index_fill(0, self.token_index, True).view(self.rows, 1, 1, self.width)
 
@@ -101,12 +107,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if kernel != "padded":
         raise ValueError(f"unknown packed attention kernel '{kernel}' (choose from {', '.join(KERNELS)})")
     heads, dim = query.shape[1:]
-
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] → [B, H, L, D], zeros at the pads
-        return packing.unpack(x.unsqueeze(0)).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=packing.key_mask(),
-                                         dropout_p=dropout, scale=scale)
+    out = F.scaled_dot_product_attention(packing.by_row(query), packing.by_row(key), packing.by_row(value),
+                                         attn_mask=packing.key_mask, dropout_p=dropout, scale=scale)
     return out.transpose(1, 2).reshape(packing.rows * packing.width, heads, dim)[packing.token_index]
 
 
@@ -179,14 +181,10 @@ def first_tokens_layer(layer: nn.Module, hidden_states: torch.Tensor, packing: P
     tokens = hidden_states.squeeze(0)  # [T, d]
     first = tokens[packing.cu_seqlens[:-1]]  # [B, d]
     heads = attention.num_attention_heads
-
-    def by_head(x: torch.Tensor) -> torch.Tensor:  # [B, L, H·D] → [B, H, L, D]
-        return x.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
-
-    query = by_head(attention.query(first).unsqueeze(1))
-    key, value = (by_head(packing.unpack(projection(tokens).unsqueeze(0))) for projection in (attention.key,
-                                                                                              attention.value))
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=packing.key_mask(),
+    query = attention.query(first).view(packing.rows, heads, 1, -1)  # [B, H, 1, D]
+    key, value = (packing.by_row(projection(tokens).view(len(tokens), heads, -1))
+                  for projection in (attention.key, attention.value))
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=packing.key_mask,
                                              dropout_p=attention.dropout.p if attention.training else 0.0,
                                              scale=attention.scaling)
     attended = layer.attention.output(context.transpose(1, 2).reshape(packing.rows, -1), first)
