@@ -1,20 +1,26 @@
-"""STS recipes side by side: clsys SimCSE and SG-OPT against a sentence-transformers baseline.
+"""STS recipes side by side, several seeds each: clsys SimCSE and SG-OPT against sentence-transformers.
 
-    python bench/sts_recipes.py [--steps 200] [--sg-steps 200] [--out runs/bench]
+    python bench/sts_recipes.py [--steps 200] [--sg-steps 200] [--seeds 3] [--out runs/bench]
 
-On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, before and after:
-  1. unsupervised SimCSE (clsys, quickstart recipe: 2 Ray workers, ZeRO-2) on the bundled Wikipedia sample;
-  2. SG-OPT (clsys, sg_opt recipe) on the unlabeled STS-B train+dev+test sentences (the SG-BERT protocol);
-  3. the same SimCSE recipe through sentence-transformers: MultipleNegativesRankingLoss (scale 20 = 1/τ)
-     over identical sentence pairs (dropout is the only augmentation), same model, global batch, steps,
-     lr, linear decay, seed and sentences, CLS pooling, one process (a plain loop over its model and loss).
-Wall times are measured in this one run on this machine. Not part of the test suite.
+On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, mean ± std over --seeds seeds (42, 43, ...):
+  1. unsupervised SimCSE (clsys, the quickstart recipe: 2 Ray workers, ZeRO-2, best STS-B dev
+     checkpoint) on the bundled Wikipedia sample, each run logging the sample keys it consumed;
+  2. the same recipe through sentence-transformers, like for like: the very batches, in the order
+     that seed's clsys run consumed them, MultipleNegativesRankingLoss (scale 1/τ) over one forward
+     of both dropout views, the training MLP as a Dense(tanh) module initialised as SimCSE does and
+     dropped for evaluation, AdamW with the recipe's weight decay/betas/eps, clipping and linear
+     decay, and the best STS-B dev checkpoint at the same evaluation steps; one process;
+  3. SG-OPT (clsys, the sg_opt recipe) on the unlabeled STS-B train+dev+test sentences (SG-BERT's protocol);
+  4. Korean (KR-BERT-SimCSE's setting): unsupervised SimCSE on the KorSTS train sentences, unlabeled,
+     on multilingual-e5-small (rebuilt by bench/e5_model.py), KorSTS test before and after.
+Prints a table (mean ± std, every seed, s/step), then the SimCSE difference clsys minus
+sentence-transformers. Not part of the test suite.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,12 +34,15 @@ sys.path.insert(0, str(REPO))
 
 from clsys import storage  # noqa: E402
 from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
-from clsys.evaluate import STS_ASSETS, evaluate_sts, load_sts, resolve_sts  # noqa: E402
+from clsys.evaluate import evaluate_sts  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
+from clsys.sts_data import load_sts, resolve_sts  # noqa: E402
 from data_prep.shards import ShardWriter  # noqa: E402
 from sample_data import sample_shards  # noqa: E402
 
 MODEL = "all-MiniLM-L6-v2"
+SIMCSE_ARM = "clsys SimCSE (quickstart recipe)"
+ST_ARM = "sentence-transformers MNRL (same batches, same recipe)"
 
 
 def run(*args: str) -> float:
@@ -63,97 +72,168 @@ def step_time(run_dir: str, skip: int = 0) -> float:
     return logged_mean(run_dir, "perf/step_time_s", skip)
 
 
-def sts_sentence_stream(out: str) -> str:
-    """The distinct sentences of STS-B train+dev+test as a `sentences` stream (scores unused)."""
+def sts_sentence_stream(out: str, splits: list[str]) -> str:
+    """The distinct sentences of the bundled STS ``splits`` as a `sentences` stream (scores unused)."""
     sentences = []
-    for split in ("train", "dev", "test"):
-        sts = load_sts(STS_ASSETS / f"stsb-en-{split}.csv")
+    for split in splits:
+        sts = load_sts(resolve_sts(split))
         sentences += sts.sent1 + sts.sent2
     sentences = sorted(set(sentences))
     url = storage.join(out, "sentences")
     with tempfile.TemporaryDirectory() as tmp:
         writer = ShardWriter(url, tmp, max_bytes=2 << 20)  # several shards: 2 ranks need one each at least
         for i, text in enumerate(sentences):
-            writer.write(f"stsb-{i:06d}", text, {"lang": "en"})
+            writer.write(f"sts-{i:06d}", text, {})
         writer.close()
-        writer.write_manifest({"languages": ["en"]})
+        writer.write_manifest({})
     return out
 
 
-def sentence_transformers_simcse(shards: str, steps: int, batch: int, lr: float, seed: int, out: str,
-                                 warmup: int = 0) -> float:
-    """Seconds for the steps after the first ``warmup`` ones; the trained model is saved to ``out``."""
+def consumed_batches(run_dir: str, ranks: int, micro_batch: int, steps: int) -> list[list[str]]:
+    """The sample keys of each global batch a clsys run trained on (``train.log_sample_keys``): rank r's
+    micro-batch of step s is keys[s·mb:(s+1)·mb] of its files, the global batch the ranks' in rank order."""
+    per_rank = []
+    for rank in range(ranks):
+        folder = Path(run_dir) / "sample_keys" / f"rank-{rank:05d}"
+        per_rank.append([key for f in sorted(folder.iterdir()) for key in f.read_text().split()])
+    return [[key for keys in per_rank for key in keys[s * micro_batch:(s + 1) * micro_batch]] for s in range(steps)]
+
+
+def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str) -> float:
+    """The clsys SimCSE recipe through sentence-transformers, on the batches a clsys run consumed.
+
+    Same as clsys: the batches and their order, one forward over both dropout views, the training MLP
+    (a Dense + tanh module, SimCSE's initialisation) dropped after training, AdamW with the recipe's
+    weight decay, betas, eps, clipping and linear decay, and the best STS-B dev checkpoint (raw CLS,
+    evaluated at the same steps) kept. The loss is MultipleNegativesRankingLoss (scale 1/τ).
+    Returns seconds per step (evaluations excluded); the selected model is saved to ``out``."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
+    from clsys.engine.deepspeed import lr_lambda
     from clsys.model.encoder import resolve_model_path
 
-    torch.manual_seed(seed)
-    random.seed(seed)
-    sentences = [s["txt"] for shard in load_shards(storage.join(shards, "sentences")) for s in read_shard(shard)]
-    random.shuffle(sentences)
-    word = Transformer(resolve_model_path(MODEL), max_seq_length=32)
-    model = SentenceTransformer(modules=[word, Pooling(word.get_embedding_dimension(), "cls")], device="cpu")
-    loss = MultipleNegativesRankingLoss(model, scale=20.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, (steps - step) / steps))
-    model.train()
-    start = time.perf_counter()
-    for step in range(steps):
-        if step == warmup:
-            start = time.perf_counter()
-        texts = sentences[step * batch % len(sentences):][:batch]
-        features = [model.preprocess(texts), model.preprocess(texts)]  # two forwards: two dropout masks
-        value = loss(features, None)
+    torch.manual_seed(cfg.train.seed)
+    text = {s["__key__"]: s["txt"] for shard in load_shards(storage.join(shards, "sentences")) for s in read_shard(shard)}
+    word = Transformer(resolve_model_path(cfg.model.name), max_seq_length=cfg.data.max_length)
+    dim = word.get_embedding_dimension()
+    mlp = Dense(dim, dim, activation_function=torch.nn.Tanh())
+    torch.nn.init.normal_(mlp.linear.weight, std=word.auto_model.config.initializer_range)
+    torch.nn.init.zeros_(mlp.linear.bias)
+    model = SentenceTransformer(modules=[word, Pooling(dim, "cls"), mlp], device="cpu")
+    loss = MultipleNegativesRankingLoss(model, scale=1.0 / cfg.objective.temperature)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    dev = load_sts(resolve_sts(cfg.eval.sts_dev))
+    best, best_state, seconds = -float("inf"), None, 0.0
+    for step, keys in enumerate(batches, 1):
+        model.train()
+        start = time.perf_counter()
+        texts = [text[k] for k in keys]
+        features = model.preprocess(texts + texts)  # both views in one forward: independent dropout masks
+        embeddings = model(features)["sentence_embedding"]
+        value = loss.compute_loss_from_embeddings(list(embeddings.chunk(2)), None)
         optimizer.zero_grad()
         value.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         schedule.step()
-    elapsed = time.perf_counter() - start
-    model[0].auto_model.save_pretrained(out)
+        seconds += time.perf_counter() - start
+        if step % cfg.eval.every == 0 or step == len(batches):
+            score = evaluate_sts(word.auto_model, model.tokenizer, dev, pooling="cls")["spearman"]
+            if score > best:
+                best, best_state = score, {k: v.detach().clone() for k, v in word.auto_model.state_dict().items()}
+    word.auto_model.load_state_dict(best_state)
+    word.auto_model.save_pretrained(out)
     model.tokenizer.save_pretrained(out)
-    return elapsed
+    return seconds / len(batches)
+
+
+def korean_simcse(out: str, seeds: list[int], steps: int) -> None:
+    """KR-BERT-SimCSE's setting on the multilingual base: unsupervised SimCSE (the quickstart recipe with
+    mean pooling, e5's own) on the KorSTS train sentences as unlabeled text, KorSTS dev selecting the
+    checkpoint; KorSTS test Spearman (mean pooling, no e5 prefixes) before and after, per seed."""
+    from e5_model import build_e5_small
+
+    base = build_e5_small(os.path.join(out, "models", "multilingual-e5-small"))
+    korean = sts_sentence_stream(os.path.join(out, "shards", "korsts-sentences"), ["korsts-train"])
+    test = load_sts(resolve_sts("korsts-test"))
+
+    def spearman(model_dir: str) -> float:
+        return evaluate_sts(load_encoder(model_dir), load_tokenizer(model_dir), test, pooling="mean")["spearman"]
+
+    after = []
+    for seed in seeds:
+        run_name = f"bench-korean-{seed}"
+        subprocess.run(["rm", "-rf", os.path.join(out, run_name)], check=True)
+        run("-m", "clsys.pretrain", "--config", "quickstart", f"model.name={base}", f"data.url={korean}",
+            f"train.name={run_name}", f"train.steps={steps}", f"train.seed={seed}", f"train.run_root={out}",
+            "objective.pooler=mean", "objective.export_pooling=mean", "eval.sts_dev=korsts-dev", "eval.pooling=mean",
+            "eval.sts_test=")
+        after.append(spearman(os.path.join(out, run_name, "export")))
+    print(f"\nKorSTS test (1379 pairs), mean pooling, Spearman ×100, multilingual-e5-small: before {spearman(base):.2f}, "
+          f"after unsupervised SimCSE on KorSTS train sentences ({steps} steps) {mean_std(after)} "
+          f"({' '.join(f'{x:.2f}' for x in after)})")
+
+
+def mean_std(values: list[float]) -> str:
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="SimCSE steps (clsys and sentence-transformers)")
-    parser.add_argument("--sg-steps", type=int, default=200, help="SG-OPT steps")
+    parser.add_argument("--sg-steps", type=int, default=200, help="SG-OPT steps (0: leave SG-OPT out)")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds 42, 43, ...")
+    parser.add_argument("--korean-steps", type=int, default=200,
+                        help="Korean SimCSE steps on multilingual-e5-small (0: leave the Korean row out)")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from clsys.config import load_config
 
     wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
-    stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"))
-    quiet = ["eval.sts_dev=", "eval.sts_test=", f"train.run_root={out}"]
-    rows = [("all-MiniLM-L6-v2 (no training)", "-", "-", "-", cls_spearman(MODEL))]
+    stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"), ["stsb-en-train", "stsb-en-dev",
+                                                                                "stsb-en-test"])
+    seeds = [42 + i for i in range(args.seeds)]
+    arms: dict[str, list[tuple[float, float]]] = {}  # name -> (STS-B test CLS, s/step) per seed
 
-    for name, recipe, data, steps in [("clsys SimCSE (Wikipedia sample)", "quickstart", wiki, args.steps),
-                                      ("clsys SG-OPT (STS-B sentences)", "sg_opt", stsb, args.sg_steps)]:
-        run_name = f"bench-{recipe}"
-        subprocess.run(["rm", "-rf", os.path.join(out, run_name)], check=True)
-        seconds = run("-m", "clsys.pretrain", "--config", recipe, f"data.url={data}", f"train.name={run_name}",
-                      f"train.steps={steps}", *quiet)
-        run_dir = os.path.join(out, run_name)
-        rows.append((name, steps, seconds, step_time(run_dir), cls_spearman(os.path.join(run_dir, "export"))))
+    recipes = [(SIMCSE_ARM, "quickstart", wiki, args.steps)]
+    if args.sg_steps:
+        recipes.append(("clsys SG-OPT (sg_opt recipe, STS-B sentences)", "sg_opt", stsb, args.sg_steps))
+    for name, recipe, data, steps in recipes:
+        for seed in seeds:
+            run_name = f"bench-{recipe}-{seed}"
+            subprocess.run(["rm", "-rf", os.path.join(out, run_name)], check=True)
+            overrides = [f"data.url={data}", f"train.name={run_name}", f"train.steps={steps}", f"train.seed={seed}",
+                         "train.log_sample_keys=true", "eval.sts_test=", f"train.run_root={out}"]
+            run("-m", "clsys.pretrain", "--config", recipe, *overrides)
+            run_dir = os.path.join(out, run_name)
+            arms.setdefault(name, []).append((cls_spearman(os.path.join(run_dir, "export")), step_time(run_dir, skip=1)))
+            if recipe == "quickstart":
+                cfg = load_config(recipe, overrides)
+                batches = consumed_batches(run_dir, cfg.cluster.num_workers, cfg.micro_batch, steps)
+                st_dir = os.path.join(out, f"bench-st-{seed}")
+                per_step = sentence_transformers_simcse(wiki, batches, cfg, st_dir)
+                arms.setdefault(ST_ARM, []).append(
+                    (cls_spearman(st_dir), per_step))
 
-    st_dir = os.path.join(out, "bench-st")
-    seconds = sentence_transformers_simcse(wiki, args.steps, batch=32, lr=3e-5, seed=42, out=st_dir)
-    rows.append(("sentence-transformers MNRL (same SimCSE recipe)", args.steps, seconds, seconds / args.steps,
-                 cls_spearman(st_dir)))
+    if args.korean_steps:
+        korean_simcse(out, seeds, args.korean_steps)
 
-    print("\nSTS-B test (1379 pairs), CLS pooling, Spearman ×100; wall = whole command incl. start-up")
-    print(f"{'run':<50} {'steps':>6} {'wall s':>8} {'s/step':>7} {'CLS':>7}")
-    for name, steps, seconds, per_step, score in rows:
-        wall = f"{seconds:.0f}" if isinstance(seconds, float) else seconds
-        per = f"{per_step:.2f}" if isinstance(per_step, float) else per_step
-        print(f"{name:<50} {steps!s:>6} {wall:>8} {per:>7} {score:>7.2f}")
-    print(f"\nstep-time ratio, clsys SimCSE (2 Ray workers, ZeRO-2) / sentence-transformers (1 process): "
-          f"{rows[1][3] / rows[3][3]:.2f}")
+    print(f"\nSTS-B test (1379 pairs), CLS pooling, Spearman ×100, mean ± std over seeds {seeds}; "
+          f"all-MiniLM-L6-v2 before training: {cls_spearman(MODEL):.2f}")
+    print(f"{'arm':<56} {'CLS':>14} {'per seed':>24} {'s/step':>7}")
+    for name, results in arms.items():
+        scores = [r[0] for r in results]
+        print(f"{name:<56} {mean_std(scores):>14} {' '.join(f'{x:.2f}' for x in scores):>24} "
+              f"{statistics.mean(r[1] for r in results):>7.2f}")
+    simcse, st = (statistics.mean(r[0] for r in arms[k]) for k in (SIMCSE_ARM, ST_ARM))
+    print(f"difference clsys_simcse_minus_sentence_transformers {simcse - st:+.2f}")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,10 @@ class EvalConfig:
     xling_articles: str = "24:48"  # XQuAD articles evaluated (0:24 build the bundled CLIR fixtures)
     tatoeba: list[str] = field(default_factory=list)  # bitext retrieval sets, e.g. [deu-eng]
     rerank_top: int = 10  # re-rank this many bi-encoder candidates with the objective's scorer (0 = off)
+    # Best checkpoint: the evaluation metric that picks it (sts_dev = the sts_dev set's Spearman, or a
+    # logged eval metric such as xquad_en-de_mrr@10; "" = export the last checkpoint), and its direction.
+    select: str = "sts_dev"
+    select_mode: str = "max"
 
 
 @dataclass
@@ -189,6 +193,10 @@ class Config:
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),
+            ("eval.select_mode", self.eval.select_mode in ("max", "min"), "max or min"),
+            ("eval.select", self.eval.select in ("", "sts_dev") or bool(self.eval.sts_dev or self.eval.xling
+                                                                         or self.eval.tatoeba),
+             "'' or sts_dev when nothing is evaluated during training (eval.sts_dev, eval.xling, eval.tatoeba)"),
             ("eval.xling_articles", re.fullmatch(r"\d*:\d*", self.eval.xling_articles) is not None,
              'an article range START:STOP, quoted in YAML ("24:48")'),
         ]

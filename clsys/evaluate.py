@@ -5,23 +5,26 @@ score for a pair is the cosine similarity of the two sentence embeddings; the re
 the Spearman (and Pearson) correlation with the human scores, x 100, as papers report it.
 
 Library use (the trainer calls this on rank 0 for dev evaluation):
-    sts = load_sts(resolve_sts("stsb-en-dev"))
+    sts = load_sts(resolve_sts("stsb-en-dev"))  # both from clsys.sts_data
     evaluate_sts(hf_encoder, tokenizer, sts, pooling="cls")  # {"spearman", "pearson", "n"}
 
 Cross-lingual retrieval (XQuAD, Tatoeba) lives in clsys.retrieval; this CLI runs both kinds.
 
+STS files come in several layouts, and a folder is a SentEval year or a suite of sets whose average
+is reported as SimCSE does (clsys.sts_data).
+
 CLI:
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --sts stsb-en-test,korsts-test --pooling cls,mean
+    python -m clsys.evaluate --model runs/quickstart/export --sts path/to/senteval/downstream --pooling cls
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --xling en-de de-en --articles 24:48 \
         --tatoeba deu-eng --pooling mean
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,69 +36,7 @@ from torch import nn
 from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer, resolve_model_path
 from clsys.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
                              load_tatoeba, parse_articles, xquad_pair)
-
-# Bundled dev/test splits of stsb-multi-mt (en, de) and KorSTS; origin and licences in LICENSE.md there.
-STS_ASSETS = Path(__file__).parent / "assets" / "sts"
-
-
-@dataclass
-class StsSet:
-    name: str
-    sent1: list[str]
-    sent2: list[str]
-    scores: list[float]
-
-
-def bundled_sts() -> list[str]:
-    return sorted(p.stem for p in STS_ASSETS.iterdir() if p.suffix in (".csv", ".tsv"))
-
-
-def resolve_sts(name_or_path: str) -> Path:
-    """A file path as is, or a bundled set name (``stsb-en-test``, ``korsts-dev``, ...) -> its asset file."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    for suffix in (".csv", ".tsv"):
-        if (STS_ASSETS / f"{name_or_path}{suffix}").is_file():
-            return STS_ASSETS / f"{name_or_path}{suffix}"
-    raise FileNotFoundError(f"STS set '{name_or_path}' is neither a file nor a bundled set "
-                            f"({', '.join(bundled_sts())})")
-
-
-def load_sts(path: str | Path) -> StsSet:
-    """Read an STS file; the format is detected from the first line.
-
-    - TSV with a header naming ``sentence1``, ``sentence2`` and ``score`` (KorSTS: genre, filename,
-      year, id, score, sentence1, sentence2). Read with QUOTE_NONE: quotes in KorSTS are sentence text.
-    - otherwise headerless CSV ``sentence1,sentence2,score`` (stsb-multi-mt), quoted where needed.
-    """
-    path = Path(path)
-    sent1, sent2, scores = [], [], []
-    with open(path, newline="", encoding="utf-8") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
-        if {"sentence1", "sentence2", "score"} <= set(header):
-            rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-            first_line = 2  # the reader starts after the header
-            i1, i2, iscore = header.index("sentence1"), header.index("sentence2"), header.index("score")
-        else:
-            f.seek(0)
-            rows = csv.reader(f)
-            first_line = 1
-            header, i1, i2, iscore = ["sentence1", "sentence2", "score"], 0, 1, 2
-        try:
-            for row in rows:
-                if len(row) != len(header):
-                    raise ValueError(f"expected {len(header)} fields, found {len(row)}")
-                scores.append(float(row[iscore]))
-                sent1.append(row[i1])
-                sent2.append(row[i2])
-        except (ValueError, csv.Error) as e:
-            # line_num counts the lines this reader consumed, i.e. the record's (last) line.
-            raise ValueError(f"{path}:{first_line - 1 + rows.line_num}: malformed STS line: {e}") from None
-    if not scores:
-        raise ValueError(f"{path}: no sentence pairs")
-    return StsSet(path.stem, sent1, sent2, scores)
-
+from clsys.sts_data import StsSet, bundled_sts, read_sts
 
 def correlations(pred: list[float], gold: list[float]) -> tuple[float, float]:
     """(Spearman, Pearson) x 100; scipy ranks ties by their average rank."""
@@ -115,7 +56,17 @@ def evaluate_sts(model: nn.Module, tokenizer, sts: StsSet, pooling: str, batch_s
     # A NaN embedding (e.g. a diverged checkpoint) counts as "unrelated" instead of poisoning the ranks.
     cosine = F.cosine_similarity(a, b, dim=-1).nan_to_num(0.0)
     spearman, pearson = correlations(cosine.tolist(), sts.scores)
-    return {"spearman": spearman, "pearson": pearson, "n": len(sts.scores)}
+    result = {"spearman": spearman, "pearson": pearson, "n": len(sts.scores)}
+    if len(sts.subsets) > 1:
+        # A SentEval year: "all" (above, SimCSE's figure) and the per-subset averages other papers report.
+        per_subset, start = [], 0
+        for _, count in sts.subsets:
+            per_subset.append(correlations(cosine[start:start + count].tolist(), sts.scores[start:start + count])[0])
+            start += count
+        counts = [count for _, count in sts.subsets]
+        result["spearman_mean"] = sum(per_subset) / len(per_subset)
+        result["spearman_wmean"] = sum(r * c for r, c in zip(per_subset, counts)) / sum(counts)
+    return result
 
 
 def _xling_pair(spec: str) -> tuple[str, str]:
@@ -131,13 +82,21 @@ def _load_xling(spec: str, args: argparse.Namespace) -> XquadSet:
     return xquad_pair(*_xling_pair(spec), articles, args.xquad_dir)
 
 
-# Evaluation kinds: CLI option -> (read one data set given by name or path, score it). The reader
-# also gets the parsed arguments, for options that qualify every set of its kind (--articles).
-# Another kind adds an entry here and its option in parse_args.
-EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], Any], Callable[..., dict[str, Any]]]] = {
-    "sts": (lambda spec, args: load_sts(resolve_sts(spec)), evaluate_sts),
-    "xling": (_load_xling, evaluate_retrieval),
-    "tatoeba": (lambda spec, args: load_tatoeba(spec), evaluate_bitext),
+def _read_sts(spec: str, args: argparse.Namespace) -> list[StsSet]:
+    suite = read_sts(spec)
+    for path in suite.left_out:
+        print(f"{spec}: passed over {path}", file=sys.stderr)
+    return suite.sets
+
+
+# Evaluation kinds: CLI option -> (read the data sets one value names, score one set). The reader
+# also gets the parsed arguments, for options that qualify every set of its kind (--articles). A
+# value naming several sets (an STS folder) also gets their average. Another kind adds an entry
+# here and its option in parse_args.
+EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], list[Any]], Callable[..., dict[str, Any]]]] = {
+    "sts": (_read_sts, evaluate_sts),
+    "xling": (lambda spec, args: [_load_xling(spec, args)], evaluate_retrieval),
+    "tatoeba": (lambda spec, args: [load_tatoeba(spec)], evaluate_bitext),
 }
 
 
@@ -150,13 +109,20 @@ def default_max_length(model_dir: str, model: nn.Module) -> int:
 
 
 # Column headers: the short names papers use; other metrics are shown capitalised ("Spearman").
-LABELS = {"mrr@10": "MRR@10", "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
+LABELS = {"spearman_mean": "Spearman-mean", "spearman_wmean": "Spearman-wmean", "mrr@10": "MRR@10", "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
 
 
 def _label(metric: str) -> str:
     if metric.startswith("rerank_"):
         return "rerank-" + _label(metric.removeprefix("rerank_"))
     return LABELS.get(metric, metric.capitalize())
+
+
+def average_row(group: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The plain mean of the metrics every set has (SimCSE's "Avg." over STS12-16, STS-B, SICK-R)."""
+    shared = [m for m in group[0] if m not in ("kind", "set", "pooling", "n") and all(m in r for r in group)]
+    return {"kind": group[0]["kind"], "set": name, "pooling": group[0]["pooling"], "n": sum(r["n"] for r in group),
+            **{m: sum(r[m] for r in group) / len(group) for m in shared}}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -185,7 +151,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     p.add_argument("--model", required=True, help="exported clsys folder, any HF model folder, or a packaged alias")
     # Each set option takes one or more values, each a comma list.
     p.add_argument("--sts", nargs="+", default=[], metavar="SET",
-                   help=f"STS files or bundled sets ({', '.join(bundled_sts())}); "
+                   help=f"STS files, folders (a SentEval year, or a suite: each set and their average) or "
+                        f"bundled sets ({', '.join(bundled_sts())}); "
                         "default stsb-en-test unless --xling or --tatoeba is given")
     p.add_argument("--xling", nargs="+", default=[], metavar="Q-P",
                    help="XQuAD retrieval of paragraphs in language P for questions in language Q, e.g. en-de "
@@ -224,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rerank-top must be at least 1, not {args.rerank_top}")
     # Read all data before loading the model, so that a typo fails in a second, not after a minute.
     try:
-        jobs = [(kind, EVALUATIONS[kind][0](spec, args)) for kind, kind_specs in specs.items() for spec in kind_specs]
+        jobs = [(kind, spec, EVALUATIONS[kind][0](spec, args)) for kind, kind_specs in specs.items()
+                for spec in kind_specs]
     except (OSError, ValueError) as e:
         parser.error(str(e))
 
@@ -249,11 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     options = {"xling": {"reranker": reranker, "rerank_top": args.rerank_top}}
 
     rows = []
-    for kind, data in jobs:
+    for kind, spec, data_sets in jobs:
         for pooling in poolings:
-            metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length,
-                                           **options.get(kind, {}))
-            rows.append({"kind": kind, "set": data.name, "pooling": pooling, **metrics})
+            group = []
+            for data in data_sets:
+                metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length,
+                                               **options.get(kind, {}))
+                group.append({"kind": kind, "set": data.name, "pooling": pooling, **metrics})
+            rows += group
+            if len(group) > 1:
+                rows.append(average_row(group, f"{Path(spec).name} avg"))
     settings = {"model": args.model, "max_length": max_length}
     if specs["xling"]:
         settings["xquad_articles"] = args.articles or "all"

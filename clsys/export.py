@@ -3,7 +3,9 @@
 The folder loads with ``transformers.AutoModel.from_pretrained`` and with
 ``sentence_transformers.SentenceTransformer`` (modules.json + the pooling the objective uses at
 inference). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds full fp32 weights
-from the per-rank shards. ``--checkpoint`` may be a step folder or a run folder (newest complete).
+from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
+run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
+The choice is printed and recorded in the folder's ``clsys_export.json``.
 """
 from __future__ import annotations
 
@@ -16,16 +18,35 @@ import tempfile
 
 from clsys import storage
 from clsys.engine.checkpoint import latest_checkpoint
+from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model.encoder import encoder_from_config, resolve_model_path
 
 
-def _checkpoint_url(url: str) -> str:
-    if storage.exists(storage.join(url, "COMPLETE")):
-        return url
-    latest = latest_checkpoint(url)
+def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str]:
+    """(step folder URL, why it was chosen) for ``--checkpoint best|latest|PATH`` (``run`` for best/latest).
+
+    A step folder is taken as is; a run folder gives its best checkpoint (``eval.select``, recorded in
+    ``best.json``) when it has one, else its newest complete one.
+    """
+    if checkpoint in ("best", "latest"):
+        if run is None:
+            raise FileNotFoundError(f"--checkpoint {checkpoint} names one of a run's checkpoints: give --run RUN")
+        base, explicit = run, checkpoint
+    elif storage.exists(storage.join(checkpoint, "COMPLETE")):
+        return checkpoint, "the given step folder"
+    else:
+        base, explicit = checkpoint, None
+    if explicit != "latest":
+        best = read_best(base)
+        if best is not None:
+            return best.checkpoint, f"best {best.metric} {best.value:.2f} at step {best.step}"
+        if explicit == "best":
+            raise FileNotFoundError(f"{base}: no best checkpoint recorded ({BEST_RECORD}; eval.select was off or "
+                                    f"nothing was evaluated): use --checkpoint latest")
+    latest = latest_checkpoint(base)
     if latest is None:
-        raise FileNotFoundError(f"{url}: neither a complete checkpoint nor a run folder with one")
-    return latest
+        raise FileNotFoundError(f"{base}: neither a complete checkpoint nor a run folder with one")
+    return latest, "latest" if explicit else "latest (no best checkpoint recorded)"
 
 
 def _max_seq_length(model_name: str, config) -> int:
@@ -128,12 +149,13 @@ def publish(folder: str, out: str) -> None:
         storage.upload_dir(folder, out)
 
 
-def export(checkpoint: str, out: str) -> str:
-    """Write the encoder of ``checkpoint`` to ``out`` (local folder or URL); returns the step folder used."""
+def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]:
+    """Write the encoder of ``checkpoint`` (see ``choose_checkpoint``) to ``out`` (local folder or URL);
+    returns the step folder used and why it was chosen."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig
 
-    url = _checkpoint_url(checkpoint)
+    url, chosen = choose_checkpoint(checkpoint, run)
     meta = storage.read_json(storage.join(url, "clsys_state.json"))
     work = tempfile.mkdtemp(prefix="clsys-export-")
     try:
@@ -149,25 +171,29 @@ def export(checkpoint: str, out: str) -> str:
         if meta.get("export_reranker_map"):
             write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
-            json.dump({"checkpoint": url, "step": meta["step"], "objective": meta["objective"],
+            json.dump({"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
                        "pooling": meta["export_pooling"]}, f, indent=2)
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return url
+    return url, chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clsys.export", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="step folder or run folder (local path, file:// or s3://)")
+    parser.add_argument("--checkpoint", default="best",
+                        help="best or latest (of --run), or a step or run folder (local path, file:// or s3://); "
+                             "a run folder gives its best checkpoint when one is recorded, else its latest "
+                             "(default: best)")
+    parser.add_argument("--run", default=None, help="the run folder, for --checkpoint best or latest")
     parser.add_argument("--out", required=True, help="output folder (local path, file:// or s3://)")
     args = parser.parse_args(argv)
     try:
-        used = export(args.checkpoint, args.out)
+        used, chosen = export(args.checkpoint, args.out, args.run)
     except (FileNotFoundError, RuntimeError, storage.StorageError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {used} -> {args.out}")
+    print(f"exported {used} ({chosen}) -> {args.out}")
     return 0
 
 

@@ -206,7 +206,8 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
 
 def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
     """STS test scores of the base model and of the exported one, for each requested pooling."""
-    from clsys.evaluate import evaluate_sts, load_sts, resolve_sts
+    from clsys.evaluate import evaluate_sts
+    from clsys.sts_data import load_sts, resolve_sts
     from clsys.model.encoder import load_encoder, load_tokenizer
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     from clsys.export import export
 
     exported = storage.join(run, "export")
-    export(run, exported)
+    used, chosen = export(run, exported)
+    print(f"[clsys] exported {used} ({chosen})", flush=True)
     if cfg.eval.sts_test:
         with tempfile.TemporaryDirectory() as local:
             if storage.is_s3(exported):

@@ -5,15 +5,16 @@ import argparse
 import sys
 
 
-def positive(typ):
-    """An argparse type: a number of type ``typ`` that must be > 0."""
+def positive(typ, allow_zero: bool = False):
+    """An argparse type: a number of type ``typ`` that must be > 0 (>= 0 with ``allow_zero``)."""
     def parse(value: str):
         try:
             v = typ(value)
         except ValueError:
-            v = 0
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {typ.__name__}, got {value!r}")
+            v = -1
+        if v < 0 or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} "
+                                             f"{typ.__name__}, got {value!r}")
         return v
     return parse
 

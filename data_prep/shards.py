@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sys
 import tarfile
 from dataclasses import asdict, dataclass, field
@@ -61,12 +62,21 @@ class ShardWriter:
 
     Shards are built in ``tmp_dir`` and uploaded as soon as they are full; ``previous`` maps shard
     names to the sha256 the existing manifest lists, to skip re-uploading identical shards.
+
+    ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar) have come,
+    then written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
+    number. Input in document order (a Wikipedia article's sentences one after another) then reaches
+    the shards mixed across every document of the window, so a training batch, drawn through the
+    loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
+    would give it. The order depends on the samples and the seed alone: re-runs reproduce every shard.
     """
 
     url: str
     tmp_dir: str
     max_bytes: int
     previous: dict[str, str] = field(default_factory=dict)
+    shuffle_window: int = 0
+    seed: int = 0
     shards: list[ShardInfo] = field(default_factory=list, init=False)
     uploaded: int = field(default=0, init=False)
     unchanged: int = field(default=0, init=False)
@@ -76,10 +86,14 @@ class ShardWriter:
     _samples: int = field(default=0, init=False, repr=False)
     _size: int = field(default=0, init=False, repr=False)
     _old_manifest_removed: bool = field(default=False, init=False, repr=False)
+    # Samples held back for the shuffle: (members, tar bytes) each, their total, and windows written so far.
+    _window: list[tuple[list[tuple[str, bytes]], int]] = field(default_factory=list, init=False, repr=False)
+    _window_size: int = field(default=0, init=False, repr=False)
+    _windows: int = field(default=0, init=False, repr=False)
 
     @property
     def samples(self) -> int:
-        return sum(s.samples for s in self.shards) + self._samples
+        return sum(s.samples for s in self.shards) + self._samples + len(self._window)
 
     def write(self, key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> None:
         """One sample; ``extra`` maps further member extensions to their bytes (``ids``: pre-tokenized)."""
@@ -87,6 +101,22 @@ class ShardWriter:
                           (f"{key}.txt", text.encode()),
                           *((f"{key}.{ext}", data) for ext, data in (extra or {}).items())])
         size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)  # header + padded data
+        if not self.shuffle_window:
+            self._append(members, size)
+            return
+        self._window.append((members, size))
+        self._window_size += size
+        if self._window_size >= self.shuffle_window:
+            self._write_window()
+
+    def _write_window(self) -> None:
+        # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
+        random.Random(f"{self.seed}/{os.path.basename(self.url.rstrip('/'))}/{self._windows}").shuffle(self._window)
+        for members, size in self._window:
+            self._append(members, size)
+        self._window, self._window_size, self._windows = [], 0, self._windows + 1
+
+    def _append(self, members: list[tuple[str, bytes]], size: int) -> None:
         # Room for the 1 KiB end-of-archive marker and the padding to a whole tar record.
         if self._tar is not None and self._size + size + 1024 + tarfile.RECORDSIZE > self.max_bytes:
             self._finish()
@@ -99,7 +129,9 @@ class ShardWriter:
         self._size += size
 
     def close(self) -> None:
-        """Finish the shard being filled; a later ``write`` starts the next one."""
+        """Write what the shuffle window holds and finish the shard being filled; a later ``write`` starts the next one."""
+        if self._window:
+            self._write_window()
         if self._tar is not None:
             self._finish()
 

@@ -2,7 +2,9 @@
 
 The command feeds the articles of each dump (read by ``dumps.DumpReader``) through a process pool
 (wikitext cleaning in ``wikitext.py``, sentence splitting in ``sentences.py``) into two
-``ShardWriter`` streams, in page order, so the output is identical for any number of workers.
+``ShardWriter`` streams, in page order, so the output is identical for any number of workers. The
+writers shuffle each ``--shuffle-window-mb`` of samples with ``--seed`` before writing them: batches
+then mix many articles (in-batch negatives from one article are often false negatives).
 A Wikimedia *multistream* dump with its index (``--index``) is read in parallel too: pool workers
 each decompress, parse and process one bz2 block (``dumps.BlockReader``).
 """
@@ -154,7 +156,8 @@ class WikiJob:
         self.args = args
         max_bytes = int(args.shard_size_mb * 2**20)
         self.streams = {name: ShardWriter(storage.join(args.out, name), tmp_dir, max_bytes,
-                                          previous_shas(storage.join(args.out, name)))
+                                          previous_shas(storage.join(args.out, name)),
+                                          int(args.shuffle_window_mb * 2**20), args.seed)
                         for name in ("sentences", "documents")}
         self.skipped = dict.fromkeys(("redirect", "non_article", "duplicate", "empty", "too_short", "too_long", "markup"), 0)
         self.sources: list[SourceReport] = []
@@ -268,6 +271,7 @@ class WikiJob:
 
     def manifest_extra(self) -> dict:
         return {"tool": f"data_prep {__version__}", "languages": sorted({s.lang for s in self.sources}),
+                "shuffle": {"window_mb": self.args.shuffle_window_mb, "seed": self.args.seed},
                 "sources": [dataclasses.asdict(s) for s in self.sources], "skipped": dict(self.skipped)}
 
 
@@ -284,6 +288,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes parsing wikitext; output is identical for any N (default: 1)")
     p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
                    help="word budget of a passage in the documents stream (default: 200)")
+    p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=256.0, metavar="N",
+                   help="write the samples of each N MiB of output (as tar bytes) in a seeded shuffled order, so "
+                        "that shards mix the sentences of many articles (0: article order; default: 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of that shuffle (default: 0)")
     p.add_argument("--allow-truncated", action="store_true",
                    help="exit 0 (with a warning) when an input is truncated or corrupt; its good pages are kept")
 

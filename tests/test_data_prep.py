@@ -159,9 +159,11 @@ def test_webdataset_reads_shards(sample_run):
     import webdataset as wds
 
     out, _ = sample_run
-    shard = out / "documents" / read_manifest(f"file://{out / 'documents'}")["shards"][0]["name"]
-    first = next(iter(wds.WebDataset(str(shard), shardshuffle=False)))
-    assert set(first) >= {"__key__", "txt", "json"} and json.loads(first["json"])["page_id"] == 12
+    manifest = read_manifest(f"file://{out / 'documents'}")
+    first = next(iter(wds.WebDataset(str(out / "documents" / manifest["shards"][0]["name"]), shardshuffle=False)))
+    ours = read_stream(out / "documents", manifest)[0]
+    assert set(first) >= {"__key__", "txt", "json"}
+    assert (first["__key__"], first["txt"], first["json"]) == (ours["__key__"], ours["txt"], ours["json"])
 
 
 def test_tar_writer_headers_read_back(tmp_path):
@@ -186,6 +188,48 @@ def test_tar_writer_headers_read_back(tmp_path):
                        for member in ((f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
                                       (f"{key}.txt", text.encode()))]
     assert writer.shards[0].bytes % tarfile.RECORDSIZE == 0
+
+
+def test_shard_writer_shuffle_window(tmp_path):
+    """Samples are written in a seeded order within each window of --shuffle-window-mb, never across windows."""
+    from data_prep.shards import ShardWriter
+
+    def written(window_samples: int, seed: int) -> list[str]:
+        out = tmp_path / f"w{window_samples}-s{seed}"
+        # Each sample is 2 KiB in tar: a header and a padded block for each of its .json and .txt.
+        writer = ShardWriter(str(out), str(tmp_path), 1 << 30, shuffle_window=2048 * window_samples, seed=seed)
+        for i in range(100):
+            writer.write(f"k{i:03d}", "x" * 10, {})
+        assert writer.samples == 100  # held-back samples count too
+        writer.close()
+        with tarfile.open(out / "shard-000000.tar") as tar:
+            return [m.name.removesuffix(".txt") for m in tar if m.name.endswith(".txt")]
+
+    inputs = [f"k{i:03d}" for i in range(100)]
+    keys = written(30, 0)
+    assert keys != inputs and sorted(keys) == inputs
+    for start in (0, 30, 60, 90):  # windows of 30, 30, 30 and the last 10
+        assert sorted(keys[start:start + 30]) == inputs[start:start + 30]
+    assert written(30, 0) == keys and written(30, 1) != keys
+    assert written(0, 0) == inputs  # no window: input order
+
+
+def test_default_shuffle_mixes_articles(sample_run, tmp_path):
+    """The default window holds the whole sample: the first 64 sentences come from many articles, where
+    --shuffle-window-mb 0 (article order) gives two or three; the samples themselves are the same."""
+    out, _ = sample_run
+    ordered = tmp_path / "ordered"
+    result = run_cli("--input", SAMPLE, "--out", ordered, "--shard-size-mb", "0.5", "--shuffle-window-mb", "0")
+    assert result.returncode == 0, result.stderr
+    manifest = read_manifest(f"file://{out / 'sentences'}")
+    assert manifest["shuffle"] == {"window_mb": 256.0, "seed": 0}
+    assert read_manifest(f"file://{ordered / 'sentences'}")["shuffle"] == {"window_mb": 0.0, "seed": 0}
+    for stream in STREAMS:
+        shuffled = [s["__key__"] for s in read_stream(out / stream, read_manifest(f"file://{out / stream}"))]
+        in_order = [s["__key__"] for s in read_stream(ordered / stream, read_manifest(f"file://{ordered / stream}"))]
+        assert sorted(shuffled) == sorted(in_order)
+        articles = [len({key.rsplit("-", 1)[0] for key in keys[:64]}) for keys in (shuffled, in_order)]
+        assert articles[0] >= 30 and articles[1] <= 3, (stream, articles)
 
 
 def test_idempotent_rerun(sample_run, tmp_path):
@@ -219,7 +263,9 @@ def test_s3_output(s3_bucket, sample_xml, tmp_path):
     local = tmp_path / "shard.tar"
     local.write_bytes(shard)
     with tarfile.open(local) as tar:
-        assert tar.getnames()[:2] == ["en-12-00000.json", "en-12-00000.txt"]
+        names = tar.getnames()
+    first = names[0].removesuffix(".json")
+    assert names[:2] == [f"{first}.json", f"{first}.txt"] and len(names) == 2 * manifest["samples"]
     assert read_manifest(f"{out}/documents")["samples"] > 0
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from clsys.evaluate import STS_ASSETS, correlations, evaluate_sts, load_sts, resolve_sts
+from clsys.evaluate import correlations, evaluate_sts
 from clsys.model.encoder import load_encoder, load_tokenizer
+from clsys.sts_data import STS_ASSETS, load_sts, read_sts, resolve_sts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,6 +72,91 @@ def test_load_korsts_tsv(tmp_path):
         load_sts(f)
 
 
+SUITE = REPO / "tests" / "data" / "sts_suite"
+
+
+def test_every_layout_reads_its_pairs():
+    year = read_sts(str(SUITE / "STS12-en-test")).sets
+    assert len(year) == 1 and year[0].name == "STS12-en-test"
+    # The "all" setting concatenates the subsets; the OnWN pair with an empty gold line is not scored.
+    assert year[0].subsets == [("MSRpar", 5), ("surprise.OnWN", 6)]
+    assert len(year[0].sent1) == len(year[0].sent2) == len(year[0].scores) == 11
+    onwn = load_sts(SUITE / "STS12-en-test" / "STS.gs.surprise.OnWN.txt")  # either file of the pair names it
+    assert onwn.name == "surprise.OnWN" and len(onwn.scores) == 6
+    assert onwn.sent1[2] == "A bird is flying over the sea."  # the third pair (unscored) was skipped
+    sts16 = load_sts(SUITE / "STS16-en-test" / "STS.input.answer-answer.txt")
+    assert (sts16.sent1[0], sts16.sent2[0], sts16.scores[0]) == ("A man is playing a guitar.", "A man plays the guitar.", 5.0)
+    stsb = load_sts(SUITE / "STSBenchmark" / "sts-test.csv")  # lines with an extra column included
+    assert (stsb.sent1[0], stsb.sent2[0], stsb.scores[0]) == ("A woman is slicing an onion.",
+                                                              "A woman cuts an onion into pieces.", 4.2)
+    assert len(stsb.scores) == 6
+    sick = load_sts(SUITE / "SICK" / "SICK_test_annotated.txt")
+    assert (sick.sent1[0], sick.scores[0], len(sick.scores)) == ("Two dogs run across a field.", 1.3, 8)
+    jsonl = load_sts(SUITE / "mteb-sts.jsonl")
+    assert (jsonl.name, jsonl.sent2[0], jsonl.scores[0], len(jsonl.scores)) == (
+        "mteb-sts", "The train departs at twelve o'clock.", 4.6, 9)
+
+
+def test_a_folder_is_a_suite_of_its_test_sets(tmp_path):
+    suite = read_sts(str(SUITE))
+    assert [s.name for s in suite.sets] == ["SICK_test_annotated", "STS12-en-test", "STS16-en-test", "sts-test",
+                                            "mteb-sts"]
+    assert sorted(Path(x.split(" (")[0]).name + " (" + x.split(" (")[1] for x in suite.left_out) == [
+        "SICK_train.txt (a train/dev/trial split)", "readme.txt (not an STS layout)",
+        "sts-dev.csv (a train/dev/trial split)"]
+    (tmp_path / "sts-train.csv").write_text("a,b,1.0\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"no STS set found in this folder \(passed over: .*sts-train.csv \(a train"):
+        read_sts(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bad.jsonl", '{"sentence1": "a", "sentence2": "b", "score": 1}\n{"sentence1": "a", "score": 2}\n',
+     r":2: missing field 'sentence2'"),
+    ("bad.jsonl", '{"sentence1": "a", "sentence2": "b", "score": 1}\n\n{"sentence1": "a",\n', r":3: bad JSON"),
+    ("bad.jsonl", '{"sentence1": "a", "sentence2": "b", "score": "high"}\n', r":1: score 'high' is not a number"),
+    ("SICK.txt", "pair_ID\tsentence_A\tsentence_B\trelatedness_score\n1\ta\tb\t4.5\n2\ta\tb\n",
+     r":3: expected 4 fields, found 3"),
+    ("sts-test.csv", "g\tf\ty\t1\t2.0\ta\tb\ng\tf\ty\t2\t2.0\ta\n", r":2: expected at least 7"),
+    ("notes.txt", "Some notes about the data.\n", r":1: not a known STS layout"),
+])
+def test_malformed_files_name_file_and_line(tmp_path, name, text, message):
+    f = tmp_path / name
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{f}{message}"):
+        load_sts(f)
+
+
+def test_senteval_pair_errors(tmp_path):
+    (tmp_path / "STS.input.x.txt").write_text("a\tb\nc\td\n", encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match=r"STS.gs.x.txt: missing"):
+        load_sts(tmp_path / "STS.input.x.txt")
+    (tmp_path / "STS.gs.x.txt").write_text("4.0\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"STS.gs.x.txt: 1 lines, but .*STS.input.x.txt has 2"):
+        load_sts(tmp_path / "STS.input.x.txt")
+    (tmp_path / "STS.gs.x.txt").write_text("4.0\nfour\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"STS.gs.x.txt:2: score 'four'"):
+        load_sts(tmp_path / "STS.input.x.txt")
+    (tmp_path / "STS.input.x.txt").write_text("a\tb\nonly one sentence\n", encoding="utf-8")
+    (tmp_path / "STS.gs.x.txt").write_text("4.0\n2\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"STS.input.x.txt:2: expected two tab-separated sentences"):
+        load_sts(tmp_path / "STS.input.x.txt")
+
+
+def test_year_aggregations_against_its_subsets(minilm):
+    """"all" is one Spearman over the concatenation; "mean"/"wmean" average the subsets' own Spearman."""
+    model, tokenizer = minilm
+    year = read_sts(str(SUITE / "STS12-en-test")).sets[0]
+    result = evaluate_sts(model, tokenizer, year, "mean")
+    folder = SUITE / "STS12-en-test"
+    parts = [evaluate_sts(model, tokenizer, load_sts(folder / f"STS.input.{n}.txt"), "mean") for n in ("MSRpar", "surprise.OnWN")]
+    assert result["spearman_mean"] == pytest.approx((parts[0]["spearman"] + parts[1]["spearman"]) / 2, abs=1e-9)
+    assert result["spearman_wmean"] == pytest.approx((5 * parts[0]["spearman"] + 6 * parts[1]["spearman"]) / 11, abs=1e-9)
+    # "all" differs from both: it ranks the two subsets' pairs together.
+    concatenated = load_sts(folder / "STS.input.MSRpar.txt")
+    assert result["n"] == 11 and result["spearman"] not in (result["spearman_mean"], result["spearman_wmean"])
+    assert concatenated.scores + load_sts(folder / "STS.input.surprise.OnWN.txt").scores == year.scores
+
+
 def test_bundled_sets():
     sizes = {"stsb-en-dev": 1500, "stsb-en-test": 1379, "stsb-de-dev": 1500, "stsb-de-test": 1379,
              "korsts-dev": 1500, "korsts-test": 1379}
@@ -83,8 +169,13 @@ def test_bundled_sets():
         resolve_sts("stsb-xx-test")
 
 
-def test_all_minilm_mean_reproduces_published_spearman():
-    model, tokenizer = load_encoder("all-MiniLM-L6-v2"), load_tokenizer("all-MiniLM-L6-v2")
+@pytest.fixture(scope="module")
+def minilm():
+    return load_encoder("all-MiniLM-L6-v2"), load_tokenizer("all-MiniLM-L6-v2")
+
+
+def test_all_minilm_mean_reproduces_published_spearman(minilm):
+    model, tokenizer = minilm
     result = evaluate_sts(model, tokenizer, load_sts(resolve_sts("stsb-en-test")), "mean", max_length=256)
     assert result["n"] == 1379
     assert result["spearman"] == pytest.approx(82.03, abs=0.05)
@@ -113,9 +204,25 @@ def test_cli_table_and_json(tmp_path):
     assert lines[3].split()[3] == f"{result['results'][1]['spearman']:.2f}"
 
 
+def test_cli_folder_reports_every_set_and_their_average(tmp_path):
+    out = tmp_path / "result.json"
+    proc = run_cli("--model", "all-MiniLM-L6-v2", "--sts", str(SUITE), "--pooling", "mean", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["set"] for r in rows] == ["SICK_test_annotated", "STS12-en-test", "STS16-en-test", "sts-test", "mteb-sts",
+                                        "sts_suite avg"]
+    assert rows[-1]["spearman"] == pytest.approx(sum(r["spearman"] for r in rows[:-1]) / 5, abs=1e-9)
+    assert rows[-1]["n"] == 8 + 11 + 6 + 6 + 9 and "spearman_mean" in rows[1] and "spearman_mean" not in rows[-1]
+    header = proc.stdout.splitlines()[1].split()
+    assert header == ["set", "pooling", "n", "Spearman", "Pearson", "Spearman-mean", "Spearman-wmean"]
+    assert proc.stdout.splitlines()[-1].split()[:2] == ["sts_suite", "avg"]
+    for left_out in ("SICK_train.txt (a train/dev/trial split)", "readme.txt (not an STS layout)"):
+        assert left_out in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/definitely/missing/model"], "no such folder"),
-    (["--model", "all-MiniLM-L6-v2", "--sts", "no-such-set"], "neither a file nor a bundled set"),
+    (["--model", "all-MiniLM-L6-v2", "--sts", "no-such-set"], "neither a file, a folder nor a bundled set"),
     (["--model", "all-MiniLM-L6-v2", "--pooling", "cls,avg"], "bad --pooling"),
 ])
 def test_cli_errors_exit_2_without_traceback(args, message):

@@ -2,6 +2,7 @@
 CPU → checkpoints and TensorBoard events on S3 → resume → export → AutoModel / SentenceTransformer."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,15 @@ def tensorboard_scalars(logdir: str) -> dict[str, list[float]]:
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def tensorboard_steps(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar; a step logged again by a resumed run keeps its last value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
+
+
 def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     shards, runs = f"{s3_bucket}/shards", f"{s3_bucket}/runs"
     assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
@@ -79,12 +89,30 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     # A fresh run over existing checkpoints is refused; --resume latest continues from step 4.
     again = run("-m", "clsys.pretrain", *common, "train.steps=6")
     assert again.returncode == 2 and "--resume latest" in again.stderr
-    resumed = run("-m", "clsys.pretrain", *common, "train.steps=6", "--resume", "latest")
+    resumed = run("-m", "clsys.pretrain", *common, "train.steps=6", "train.keep_checkpoints=1", "--resume", "latest")
     assert resumed.returncode == 0
     assert "step-00000004 at step 4" in resumed.stdout + resumed.stderr
 
+    # eval.select (default: the dev STS Spearman, max): best.json names the first step with the highest
+    # dev score over both runs (the restart compared with the first run's record), and that checkpoint
+    # outlives keep_checkpoints=1 beside the newest one.
+    storage.download_dir(f"{run_url}/tensorboard", str(tmp_path / "events-all"))
+    dev = dict(tensorboard_steps(str(tmp_path / "events-all"))["eval/stsb-en-dev_spearman"])
+    assert sorted(dev) == [0, 2, 4, 6]
+    best_step = max((s for s in dev if s > 0), key=lambda s: (dev[s], -s))
+    best = storage.read_json(f"{run_url}/best.json")
+    assert (best["metric"], best["mode"], best["step"]) == ("stsb-en-dev_spearman", "max", best_step)
+    assert best["value"] == pytest.approx(dev[best_step], abs=1e-4)
+    assert [step for step, _ in complete_checkpoints(run_url)] == sorted({best_step, 6})
+
     out = tmp_path / "exported"
     assert run("-m", "clsys.export", "--checkpoint", run_url, "--out", str(out)).returncode == 0
+    record = json.loads((out / "clsys_export.json").read_text())
+    assert record["step"] == best_step and record["chosen"].startswith("best stsb-en-dev_spearman")
+    latest = tmp_path / "exported-latest"
+    proc = run("-m", "clsys.export", "--run", run_url, "--checkpoint", "latest", "--out", str(latest))
+    assert proc.returncode == 0 and "(latest)" in proc.stdout
+    assert json.loads((latest / "clsys_export.json").read_text())["step"] == 6
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 

@@ -119,3 +119,12 @@ def test_export_unsupervised_keeps_raw_cls_without_pooler(tiny_model, tmp_path):
                 tiny_model, "cls", 32, "test")
     assert not any(key.startswith("pooler.") for key in load_file(tmp_path / "model.safetensors"))
     assert not (tmp_path / "2_Dense").exists()
+
+
+def test_training_mlp_is_initialised_like_simcse(tiny_model):
+    """SimCSE's cl_init: weight ~ N(0, initializer_range²), zero bias; PyTorch's default would give a
+    uniform weight with std 1/sqrt(3·32) ≈ 0.10 and a non-zero bias."""
+    dense = make_objective(tiny_model).mlp.dense
+    assert torch.count_nonzero(dense.bias) == 0
+    assert 0.017 < dense.weight.std().item() < 0.023  # 1024 draws of N(0, 0.02²)
+    assert abs(dense.weight.mean().item()) < 0.003

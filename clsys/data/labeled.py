@@ -25,6 +25,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
+from typing import Iterator
 
 from clsys import storage
 
@@ -147,9 +148,8 @@ def _table_rows(path: str, text: str, delimiter: str, text_field: str | None,
     return rows
 
 
-def _json_rows(path: str, lines: list[str], text_field: str | None, label_field: str | None) -> list[_Row]:
-    rows = []
-    fields: tuple[str, str] | None = None
+def jsonl_records(path, lines) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank JSONL line; a line that is not a JSON object is an error."""
     for line, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -159,6 +159,13 @@ def _json_rows(path: str, lines: list[str], text_field: str | None, label_field:
             raise ValueError(f"{path}:{line}: bad JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{line}: expected a JSON object, got {type(record).__name__}")
+        yield line, record
+
+
+def _json_rows(path: str, lines: list[str], text_field: str | None, label_field: str | None) -> list[_Row]:
+    rows = []
+    fields: tuple[str, str] | None = None
+    for line, record in jsonl_records(path, lines):
         if fields is None:
             # The first record decides the field names; every later record must have them.
             keys = list(record)

@@ -70,8 +70,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files, keep: int) -> str:
-    """Collective: every rank calls it. ``hf_files(dir)`` writes config + tokenizer (rank 0 only)."""
+def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files, keep: int,
+         protect: str | None = None) -> str:
+    """Collective: every rank calls it. ``hf_files(dir)`` writes config + tokenizer (rank 0 only).
+
+    Keeps the newest ``keep`` complete checkpoints, and ``protect`` (the best one) whatever its age.
+    """
     rank, url = dist.get_rank(), step_url(run_url, step)
     local = tempfile.mkdtemp(prefix="clsys-ckpt-")
     try:
@@ -87,12 +91,13 @@ def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files
         storage.write_json(storage.join(url, "clsys_state.json"), {**meta, "step": step})
         storage.write_bytes(storage.join(url, "COMPLETE"), b"")
         for _, old in complete_checkpoints(run_url)[:-keep]:
-            _delete_checkpoint(old)
+            if old != protect:
+                delete_checkpoint(old)
     dist.barrier()
     return url
 
 
-def _delete_checkpoint(url: str) -> None:
+def delete_checkpoint(url: str) -> None:
     # The marker goes first: a half-deleted folder must never look complete.
     storage.delete(storage.join(url, "COMPLETE"))
     if storage.is_s3(url):

@@ -23,6 +23,7 @@ from clsys.engine.deepspeed import build_engine, init_distributed, step_precisio
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
+from clsys.engine.selection import BestTracker, selected_metric
 from clsys.metrics import TensorBoard, Throughput
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
@@ -92,7 +93,7 @@ def _report_skipped(skipped: collections.Counter, rank: int) -> None:
 
 
 def _dev_set(cfg: Config):
-    from clsys.evaluate import load_sts, resolve_sts
+    from clsys.sts_data import load_sts, resolve_sts
 
     dev = load_sts(resolve_sts(cfg.eval.sts_dev))
     if cfg.eval.max_pairs:
@@ -156,7 +157,10 @@ def train_worker(payload: dict) -> None:
     consumed: list[str] = []  # sample keys since the last checkpoint (train.log_sample_keys)
     skipped: collections.Counter = collections.Counter()  # bad samples the loader skipped, by reason
 
-    def save_checkpoint() -> None:
+    metric = selected_metric(cfg)
+    best = BestTracker(run, metric, cfg.eval.select_mode, cfg.train.keep_checkpoints) if metric else None
+
+    def save_checkpoint() -> str:
         if cfg.train.log_sample_keys:
             # Written with the checkpoint that covers them: after a restart the resumed steps rewrite
             # the same files, so the folder always lists exactly the samples the weights have seen.
@@ -164,14 +168,16 @@ def train_worker(payload: dict) -> None:
             storage.write_bytes(keys_url, "".join(f"{k}\n" for k in consumed).encode())
             consumed.clear()
         rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict()}
-        url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints)
+        url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints,
+                              protect=best.protected if best else None)
         if rank == 0:
             tb.flush()
             if tb_sync is not None:  # the curves on storage cover at least what the checkpoint covers
                 tb_sync.sync()
             print(f"[clsys] step {step}: checkpoint {url}", flush=True)
+        return url
 
-    def evaluate(at_step: int) -> None:
+    def evaluate(at_step: int) -> dict[str, float]:
         # Every rank runs the same forwards (ZeRO-3 gathers weights collectively); rank 0 logs.
         scores = _evaluate_retrieval(objective, cfg)
         if dev_set is not None:
@@ -185,6 +191,7 @@ def train_worker(payload: dict) -> None:
             tokens, similarity = token_similarity(objective.encoder(), tokenizer, cfg.eval.heatmap_text)
             if rank == 0:
                 tb.image("analysis/token_similarity", render([Panel(f"step {at_step}", tokens, similarity)]), at_step)
+        return scores
 
     evaluating = dev_set is not None or bool(cfg.eval.heatmap_text or cfg.eval.xling or cfg.eval.tatoeba)
     if evaluating and step == 0:
@@ -238,12 +245,19 @@ def train_worker(payload: dict) -> None:
                       f"{rates['samples_per_s']:.1f} samples/s", flush=True)
             ray.train.report({"step": step, **values})
 
+        new_best = False
         if evaluating and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-            evaluate(step)
+            scores = evaluate(step)
+            new_best = best is not None and best.improves(scores, step)
 
         stopping = stop_watch.should_stop()
-        if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stopping:
-            save_checkpoint()
+        if new_best or step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stopping:
+            url = save_checkpoint()
+            if new_best:
+                best.record(step, scores[metric], url)
+                if rank == 0:
+                    print(f"[clsys] step {step}: best {metric} so far ({scores[metric]:.2f}), kept as the best "
+                          f"checkpoint", flush=True)
         if stopping:
             if rank == 0:
                 print(f"[clsys] step {step}: stopped on request", flush=True)

@@ -40,11 +40,17 @@ class SimCSEConfig(ObjectiveConfig):
 
 
 class MLPPooler(nn.Module):
-    """SimCSE's training-only projection: Linear(d→d) + tanh on the ``[CLS]`` vector."""
+    """SimCSE's training-only projection: Linear(d→d) + tanh on the ``[CLS]`` vector.
 
-    def __init__(self, dim: int):
+    Initialised as SimCSE's ``cl_init`` does (BERT's ``_init_weights``): weight ~ N(0, std²) with the
+    encoder's ``initializer_range`` as std, bias zero; not PyTorch's default uniform with a non-zero bias.
+    """
+
+    def __init__(self, dim: int, std: float):
         super().__init__()
         self.dense = nn.Linear(dim, dim)
+        nn.init.normal_(self.dense.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.dense.bias)
         self.activation = nn.Tanh()
 
     def forward(self, cls: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,10 @@ class SimCSE(Objective):
         if oc.export_pooling == "cls_mlp" and self.model.config.model_type not in POOLER_MODEL_TYPES:
             raise ValueError(f"objective.export_pooling: cls_mlp is exported as the HF pooler, which "
                              f"{self.model.config.model_type} models lack (supported: {', '.join(POOLER_MODEL_TYPES)})")
-        self.mlp = MLPPooler(self.model.config.hidden_size) if oc.pooler == "cls_mlp" else None
+        config = self.model.config
+        # 0.02, BERT's default, for a config without initializer_range.
+        std = getattr(config, "initializer_range", 0.02)
+        self.mlp = MLPPooler(config.hidden_size, std) if oc.pooler == "cls_mlp" else None
         self.temperature, self.pooler, self.gather = oc.temperature, oc.pooler, oc.gather
         self.supervised, self.hard_negative_weight = oc.supervised, oc.hard_negative_weight
         self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)

@@ -1,0 +1,88 @@
+"""Best-checkpoint selection (``eval.select``): the run's checkpoint that scored best on a dev metric.
+
+SimCSE keeps the checkpoint with the best STS-B dev score, not the last one (OBJECTIVES.md §2.5).
+Here every evaluation that improves on the best so far is saved as a checkpoint at that step (a
+step that is not a ``train.ckpt_every`` multiple gets one too), and ``<run>/best.json`` names it.
+keep-last-k never deletes the checkpoint best.json names; a superseded best is deleted once it is
+neither the best nor one of the last k. The record is written after its checkpoint is complete, so
+it always names a complete checkpoint, and a restarted run reads it back and goes on comparing
+with it. Step 0 (the starting model) is evaluated and logged, but is not a candidate: it has no
+checkpoint, and an export should hold trained weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from clsys import storage
+from clsys.config import Config, ConfigError
+from clsys.engine import checkpoint
+
+BEST_RECORD = "best.json"
+STS_DEV = "sts_dev"  # eval.select's alias for the dev STS set's Spearman, whatever the set is called
+
+
+@dataclass
+class BestCheckpoint:
+    metric: str
+    mode: str  # max or min
+    value: float
+    step: int
+    checkpoint: str  # the step folder's URL
+
+
+def selected_metric(cfg: Config) -> str | None:
+    """The metric eval.select names, as the evaluation logs it; None when selection is off."""
+    if not cfg.eval.select or (cfg.eval.select == STS_DEV and not cfg.eval.sts_dev):
+        return None
+    if cfg.eval.select == STS_DEV:
+        from clsys.sts_data import resolve_sts
+
+        return f"{resolve_sts(cfg.eval.sts_dev).stem}_spearman"
+    return cfg.eval.select
+
+
+def read_best(run_url: str) -> BestCheckpoint | None:
+    record = storage.join(run_url, BEST_RECORD)
+    return BestCheckpoint(**storage.read_json(record)) if storage.exists(record) else None
+
+
+class BestTracker:
+    """Collective where noted: every rank holds one and makes the same decisions (rank 0's)."""
+
+    def __init__(self, run_url: str, metric: str, mode: str, keep: int):
+        self.run_url, self.metric, self.mode, self.keep = run_url, metric, mode, keep
+        best = read_best(run_url)
+        # A record for another metric (the config changed between restarts) is not comparable: start over.
+        self.best = best if best is not None and (best.metric, best.mode) == (metric, mode) else None
+
+    @property
+    def protected(self) -> str | None:
+        """The step folder keep-last-k must not delete."""
+        return self.best.checkpoint if self.best else None
+
+    def improves(self, scores: dict[str, float], step: int) -> bool:
+        """Collective: whether this evaluation beats the best so far (rank 0 decides, all ranks follow)."""
+        if step == 0:
+            return False
+        if self.metric not in scores:
+            raise ConfigError(f"eval.select: {self.metric} is not a metric this run evaluates "
+                              f"({', '.join(sorted(scores)) or 'none'}; or set eval.select: '' to keep the last checkpoint)")
+        value = scores[self.metric]
+        better = not math.isnan(value) and (self.best is None or (value > self.best.value if self.mode == "max"
+                                                                   else value < self.best.value))
+        decision = [better]
+        dist.broadcast_object_list(decision, src=0)
+        return decision[0]
+
+    def record(self, step: int, value: float, url: str) -> None:
+        """After the checkpoint at ``url`` is complete: make it the best (rank 0 writes, every rank tracks)."""
+        previous, self.best = self.best, BestCheckpoint(self.metric, self.mode, value, step, url)
+        if dist.get_rank() != 0:
+            return
+        storage.write_json(storage.join(self.run_url, BEST_RECORD), asdict(self.best))
+        recent = {u for _, u in checkpoint.complete_checkpoints(self.run_url)[-self.keep:]}
+        if previous is not None and previous.checkpoint not in recent | {url}:
+            checkpoint.delete_checkpoint(previous.checkpoint)
