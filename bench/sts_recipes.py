@@ -184,7 +184,8 @@ def mean_std(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="SimCSE steps (clsys and sentence-transformers)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="SimCSE steps (clsys and sentence-transformers; 0: leave SimCSE out)")
     parser.add_argument("--sg-steps", type=int, default=200, help="SG-OPT steps (0: leave SG-OPT out)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds 42, 43, ...")
     parser.add_argument("--korean-steps", type=int, default=200,
@@ -202,7 +203,7 @@ def main() -> None:
     seeds = [42 + i for i in range(args.seeds)]
     arms: dict[str, list[tuple[float, float]]] = {}  # name -> (STS-B test CLS, s/step) per seed
 
-    recipes = [(SIMCSE_ARM, "quickstart", wiki, args.steps)]
+    recipes = [(SIMCSE_ARM, "quickstart", wiki, args.steps)] if args.steps else []
     if args.sg_steps:
         recipes.append(("clsys SG-OPT (sg_opt recipe, STS-B sentences)", "sg_opt", stsb, args.sg_steps))
     for name, recipe, data, steps in recipes:
@@ -232,8 +233,9 @@ def main() -> None:
         scores = [r[0] for r in results]
         print(f"{name:<56} {mean_std(scores):>14} {' '.join(f'{x:.2f}' for x in scores):>24} "
               f"{statistics.mean(r[1] for r in results):>7.2f}")
-    simcse, st = (statistics.mean(r[0] for r in arms[k]) for k in (SIMCSE_ARM, ST_ARM))
-    print(f"difference clsys_simcse_minus_sentence_transformers {simcse - st:+.2f}")
+    if args.steps:
+        simcse, st = (statistics.mean(r[0] for r in arms[k]) for k in (SIMCSE_ARM, ST_ARM))
+        print(f"difference clsys_simcse_minus_sentence_transformers {simcse - st:+.2f}")
 
 
 if __name__ == "__main__":
