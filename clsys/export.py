@@ -58,12 +58,15 @@ def _max_seq_length(model_name: str, config) -> int:
     return min(512, getattr(config, "max_position_embeddings", 512))
 
 
-def _write_sentence_transformers(folder: str, pooling: str, model, max_seq_length: int) -> None:
-    """modules.json and the modules after the Transformer: Pooling, plus Dense(tanh) for ``cls_mlp``.
+def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length: int, normalize: bool = False,
+                                model_args: dict | None = None) -> None:
+    """modules.json and the modules after the Transformer: Pooling, plus Dense(tanh) for ``cls_mlp``,
+    plus Normalize (unit-length embeddings) with ``normalize``.
 
     ``cls_mlp`` is the model's pooler (dense + tanh on [CLS]) written as sentence-transformers'
     ``Dense`` module (its ``config.json`` + ``model.safetensors`` with ``linear.weight``/``linear.bias``),
-    so ``SentenceTransformer(folder)`` gives the HF ``pooler_output``.
+    so ``SentenceTransformer(folder)`` gives the HF ``pooler_output``. ``model_args``: keyword arguments
+    sentence-transformers passes when it builds the Transformer's model (e.g. ``add_pooling_layer``).
     """
     from safetensors.torch import save_file
 
@@ -80,7 +83,8 @@ def _write_sentence_transformers(folder: str, pooling: str, model, max_seq_lengt
         "pooling_mode_mean_sqrt_len_tokens": False,
     }
     files = {"1_Pooling/config.json": pooling_config,
-             "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False}}
+             "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False,
+                                           **({"model_args": model_args} if model_args else {})}}
     if pooling == "cls_mlp":
         modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
         dense = model.pooler.dense
@@ -91,6 +95,11 @@ def _write_sentence_transformers(folder: str, pooling: str, model, max_seq_lengt
         os.makedirs(os.path.join(folder, "2_Dense"), exist_ok=True)
         save_file({"linear.weight": dense.weight.detach().contiguous(), "linear.bias": dense.bias.detach().contiguous()},
                   os.path.join(folder, "2_Dense", "model.safetensors"))
+    if normalize:  # Normalize has no parameters: its folder is all it needs
+        index = len(modules)
+        modules.append({"idx": index, "name": str(index), "path": f"{index}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(folder, f"{index}_Normalize"), exist_ok=True)
     files["modules.json"] = modules
     os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
     for name, obj in files.items():
@@ -113,7 +122,7 @@ def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling:
     """Save the encoder (with the pooler when ``pooling`` is ``cls_mlp``), tokenizer and sentence-transformers files."""
     model = encoder_from_config(config, with_pooler=pooling == "cls_mlp")
     _save_filled(model, weights, folder, tokenizer_dir, source)
-    _write_sentence_transformers(folder, pooling, model, max_seq_length)
+    write_sentence_transformers(folder, pooling, model, max_seq_length)
 
 
 def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: str) -> None:

@@ -207,8 +207,8 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
 def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
     """STS test scores of the base model and of the exported one, for each requested pooling."""
     from clsys.evaluate import evaluate_sts
-    from clsys.sts_data import load_sts, resolve_sts
     from clsys.model.encoder import load_encoder, load_tokenizer
+    from clsys.sts_data import load_sts, resolve_sts
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
     rows = []

@@ -36,6 +36,9 @@ SENTEVAL_GOLD = re.compile(r"STS\.gs\.(.+)\.txt$")
 # A train/dev/trial split named in a file name ("sts-dev.csv", "SICK_train.txt", "trial"): not a test set.
 TRAINING_SPLIT = re.compile(r"(^|[^a-z])(train|dev|trial)([^a-z]|$)")
 SUITE_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl")
+# Tab-separated layouts recognised by a header naming these columns: (sentence 1, sentence 2, score).
+HEADER_LAYOUTS = {"sick": ("sentence_A", "sentence_B", "relatedness_score"),
+                  "tsv": ("sentence1", "sentence2", "score")}
 
 
 @dataclass
@@ -122,10 +125,9 @@ def sniff(path: Path) -> str | None:
     if line.lstrip().startswith("{"):
         return "jsonl"
     fields = line.split("\t")
-    if {"sentence_A", "sentence_B", "relatedness_score"} <= set(fields):
-        return "sick"
-    if {"sentence1", "sentence2", "score"} <= set(fields):
-        return "tsv"
+    for layout, columns in HEADER_LAYOUTS.items():
+        if set(columns) <= set(fields):
+            return layout
     if len(fields) >= 7 and _is_number(fields[4]):
         return "stsbenchmark"
     row = next(csv.reader([line]), [])
@@ -214,8 +216,7 @@ def _rows_csv(path: Path, f):
 
 _READERS = {
     "jsonl": _rows_jsonl,
-    "sick": _rows_with_header(("sentence_A", "sentence_B", "relatedness_score")),
-    "tsv": _rows_with_header(("sentence1", "sentence2", "score")),
+    **{layout: _rows_with_header(columns) for layout, columns in HEADER_LAYOUTS.items()},
     "stsbenchmark": _rows_stsbenchmark,
     "csv": _rows_csv,
 }

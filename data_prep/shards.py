@@ -129,7 +129,8 @@ class ShardWriter:
         self._size += size
 
     def close(self) -> None:
-        """Write what the shuffle window holds and finish the shard being filled; a later ``write`` starts the next one."""
+        """Write what the shuffle window holds and finish the shard being filled; a later ``write``
+        starts the next one."""
         if self._window:
             self._write_window()
         if self._tar is not None:

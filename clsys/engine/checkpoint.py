@@ -90,11 +90,16 @@ def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files
     if rank == 0:
         storage.write_json(storage.join(url, "clsys_state.json"), {**meta, "step": step})
         storage.write_bytes(storage.join(url, "COMPLETE"), b"")
-        for _, old in complete_checkpoints(run_url)[:-keep]:
-            if old != protect:
-                delete_checkpoint(old)
+        prune(run_url, keep, protect)
     dist.barrier()
     return url
+
+
+def prune(run_url: str, keep: int, protect: str | None = None) -> None:
+    """Delete the complete checkpoints older than the newest ``keep``, except ``protect`` (the best one)."""
+    for _, old in complete_checkpoints(run_url)[:-keep]:
+        if old != protect:
+            delete_checkpoint(old)
 
 
 def delete_checkpoint(url: str) -> None:

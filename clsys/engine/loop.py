@@ -157,7 +157,7 @@ def train_worker(payload: dict) -> None:
     consumed: list[str] = []  # sample keys since the last checkpoint (train.log_sample_keys)
     skipped: collections.Counter = collections.Counter()  # bad samples the loader skipped, by reason
 
-    metric = selected_metric(cfg)
+    metric = selected_metric(cfg, dev_set.name if dev_set is not None else None)
     best = BestTracker(run, metric, cfg.eval.select_mode, cfg.train.keep_checkpoints) if metric else None
 
     def save_checkpoint() -> str:

@@ -33,15 +33,12 @@ class BestCheckpoint:
     checkpoint: str  # the step folder's URL
 
 
-def selected_metric(cfg: Config) -> str | None:
-    """The metric eval.select names, as the evaluation logs it; None when selection is off."""
-    if not cfg.eval.select or (cfg.eval.select == STS_DEV and not cfg.eval.sts_dev):
-        return None
-    if cfg.eval.select == STS_DEV:
-        from clsys.sts_data import resolve_sts
-
-        return f"{resolve_sts(cfg.eval.sts_dev).stem}_spearman"
-    return cfg.eval.select
+def selected_metric(cfg: Config, dev_set_name: str | None) -> str | None:
+    """The metric eval.select names, as the evaluation logs it (the dev STS set's is
+    ``<name>_spearman``); None when selection is off."""
+    if cfg.eval.select != STS_DEV:
+        return cfg.eval.select or None
+    return f"{dev_set_name}_spearman" if dev_set_name else None
 
 
 def read_best(run_url: str) -> BestCheckpoint | None:
@@ -69,7 +66,8 @@ class BestTracker:
             return False
         if self.metric not in scores:
             raise ConfigError(f"eval.select: {self.metric} is not a metric this run evaluates "
-                              f"({', '.join(sorted(scores)) or 'none'}; or set eval.select: '' to keep the last checkpoint)")
+                              f"({', '.join(sorted(scores)) or 'none'}; or set eval.select: '' to keep the "
+                              f"last checkpoint)")
         value = scores[self.metric]
         better = not math.isnan(value) and (self.best is None or (value > self.best.value if self.mode == "max"
                                                                    else value < self.best.value))
@@ -79,10 +77,8 @@ class BestTracker:
 
     def record(self, step: int, value: float, url: str) -> None:
         """After the checkpoint at ``url`` is complete: make it the best (rank 0 writes, every rank tracks)."""
-        previous, self.best = self.best, BestCheckpoint(self.metric, self.mode, value, step, url)
-        if dist.get_rank() != 0:
-            return
-        storage.write_json(storage.join(self.run_url, BEST_RECORD), asdict(self.best))
-        recent = {u for _, u in checkpoint.complete_checkpoints(self.run_url)[-self.keep:]}
-        if previous is not None and previous.checkpoint not in recent | {url}:
-            checkpoint.delete_checkpoint(previous.checkpoint)
+        self.best = BestCheckpoint(self.metric, self.mode, value, step, url)
+        if dist.get_rank() == 0:
+            storage.write_json(storage.join(self.run_url, BEST_RECORD), asdict(self.best))
+            # The superseded best, unprotected now, goes by the keep-last-k rule like any other.
+            checkpoint.prune(self.run_url, self.keep, protect=url)
