@@ -19,7 +19,7 @@ import tempfile
 from clsys import storage
 from clsys.engine.checkpoint import latest_checkpoint
 from clsys.engine.selection import BEST_RECORD, read_best
-from clsys.model.encoder import encoder_from_config, resolve_model_path
+from clsys.model.encoder import encoder_from_config, resolve_model_path, with_global_attention
 
 
 def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str]:
@@ -142,7 +142,8 @@ def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, 
     in ``folder`` (scores are its logit 1, see ``clsys.retrieval.hf_reranker``)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_config(config.__class__.from_dict({**config.to_dict(), "num_labels": 2}))
+    model = with_global_attention(AutoModelForSequenceClassification.from_config(
+        config.__class__.from_dict({**config.to_dict(), "num_labels": 2})))
     full = {f"{model.base_model_prefix}.{k}": v for k, v in weights.items()}
     full.update({name: state[key] for name, key in meta["export_reranker_map"].items()})
     _save_filled(model, full, folder, tokenizer_dir, "reranker")

@@ -12,7 +12,7 @@ from clsys.config import load_config
 from clsys.data.mixing import TaskMixer
 from clsys.data.streaming import ShardLoader
 from clsys.model.encoder import load_tokenizer
-from clsys.objectives.clir import CLIR, clir_example, hard_negative_probability, sample_negative
+from clsys.objectives.clir import CLIR, clir_example, document_side, hard_negative_probability, sample_negative
 from data_prep.shards import ShardWriter
 
 
@@ -38,6 +38,34 @@ def test_example_direction_is_drawn_at_training_time():
         assert e["positive"] == " ".join(d["sentences"]) and e["hard_negatives"] == d["hard_negatives"]
         assert e["pair_id"] == "en-de/1-101/0-0"
     assert {e["query"] for e in en_queries} == set(record(1)["sides"][0]["sentences"])
+
+
+def test_document_side_comes_from_the_tokenizers_sequences():
+    """BERT's token types mark the document; an XLM-R tokenizer (multilingual-e5) gives every token type 0,
+    so the split must come from the sequence ids, or QLM would mask document tokens too."""
+    import sys
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from e5_model import tokenizer_path
+
+    queries, documents = ["Where does the river flow?", "Why?"], ["Der Fluss fließt nach Norden.", "Darum."]
+    bert = load_tokenizer("all-MiniLM-L6-v2")(queries, documents, padding=True, return_tensors="pt")
+    assert torch.equal(document_side(bert), bert["token_type_ids"])
+
+    xlmr = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path()), bos_token="<s>", eos_token="</s>",
+                                   sep_token="</s>", cls_token="<s>", pad_token="<pad>", unk_token="<unk>")
+    enc = xlmr(queries, documents, padding=True, return_tensors="pt", return_token_type_ids=True)
+    assert not enc["token_type_ids"].any()
+    side = document_side(enc)
+    for row, query in enumerate(queries):
+        ids = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
+        document_ids = ids[side[row, :len(ids)].argmax():]
+        assert xlmr.decode(document_ids, skip_special_tokens=True) == documents[row]
+        assert xlmr.decode(ids[:len(ids) - len(document_ids)], skip_special_tokens=True) == query
+    assert not side[~enc["attention_mask"].bool()].any()
 
 
 @pytest.mark.parametrize("hard", [0, 1, 2, 4, 8])

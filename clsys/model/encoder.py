@@ -78,7 +78,15 @@ def load_encoder(name: str, **overrides) -> nn.Module:
     _quiet_transformers()
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path, **overrides)
-    return AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+    return with_global_attention(AutoModel.from_pretrained(path, config=config, **_without_pooler(config)), path)
+
+
+def with_global_attention(model: nn.Module, path: str | None = None) -> nn.Module:
+    """``model`` with BertLong's global attention projections when it is one (clsys.model.long), loaded
+    from the folder ``path`` when it holds trained ones; other models unchanged."""
+    from clsys.model.long import enable_global_attention  # long.py builds on this module
+
+    return enable_global_attention(model, path)
 
 
 def _training_config(model_cfg, tokenizer):
@@ -98,7 +106,8 @@ def _training_config(model_cfg, tokenizer):
     return path, config
 
 
-def _for_training(model: nn.Module, model_cfg) -> None:
+def _for_training(model: nn.Module, model_cfg, path: str) -> None:
+    with_global_attention(model, path if model_cfg.init == "pretrained" else None)
     if model_cfg.packed:
         from clsys.model import packing
 
@@ -114,7 +123,7 @@ def build_encoder(model_cfg, tokenizer) -> nn.Module:
         model = AutoModel.from_config(config, **_without_pooler(config))
     else:
         model = AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
-    _for_training(model, model_cfg)
+    _for_training(model, model_cfg, path)
     return model
 
 
@@ -128,7 +137,7 @@ def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
         model = AutoModelForMaskedLM.from_config(config)
     else:
         model = AutoModelForMaskedLM.from_pretrained(path, config=config)
-    _for_training(model, model_cfg)
+    _for_training(model, model_cfg, path)
     # The head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
     for attribute in ("cls", "lm_head"):
         if hasattr(model, attribute):
@@ -152,7 +161,7 @@ def build_bert_pretraining(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module, 
         model = AutoModelForPreTraining.from_config(config)
     else:
         model = AutoModelForPreTraining.from_pretrained(path, config=config)
-    _for_training(model, model_cfg)
+    _for_training(model, model_cfg, path)
     encoder, pooler = model.base_model, model.base_model.pooler
     encoder.pooler = None
     return encoder, model.cls.predictions, nn.Sequential(pooler, model.cls.seq_relationship)
@@ -165,7 +174,7 @@ def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
     """
     from transformers import AutoModel
 
-    return AutoModel.from_config(config, **({} if with_pooler else _without_pooler(config)))
+    return with_global_attention(AutoModel.from_config(config, **({} if with_pooler else _without_pooler(config))))
 
 
 def load_tokenizer(name: str):

@@ -7,21 +7,27 @@ tiling the learned rows (rows k·n … (k+1)·n-1 are copies of the original n),
 starts from a trained vector instead of noise. The attention window is recorded in config.json as
 ``attention_window``; the weights are otherwise untouched, heads included where the checkpoint has them.
 
-Attention: Longformer's pattern (every token sees ``window // 2`` neighbours on each side; the
-query segment is global: it sees everything and everything sees it), built as an ordinary
-[B, 1, L, L] attention mask for the unchanged BERT layers. That equals Longformer with its global
-Q/K/V initialised to the local ones (as §4.6 does), but compute and memory stay O(L²): the mask
-buys the attention pattern, not the speed of a banded kernel.
+Attention: Longformer's pattern. Every token sees ``window // 2`` neighbours on each side; the
+query segment is global: it sees everything and everything sees it. The pattern is an ordinary
+[B, 1, L, L] attention mask for the BERT layers, so compute and memory stay O(L²): the mask buys
+the attention pattern, not the speed of a banded kernel. As in Longformer, global rows have their
+own Q/K/V projections (``LongSelfAttention``), created from the local ones when a BertLong model is
+loaded (so step 0 computes exactly what shared weights did) and trained apart from them from then on.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.models.bert.modeling_bert import (ALL_ATTENTION_FUNCTIONS, BertSelfAttention,
+                                                    eager_attention_forward)
 
 from clsys.model.encoder import _quiet_transformers, _without_pooler, resolve_model_path
+
+GLOBAL_PROJECTIONS = ("query_global", "key_global", "value_global")
 
 
 def local_global_mask(attention_mask: torch.Tensor, global_tokens: torch.Tensor, window: int,
@@ -46,24 +52,105 @@ def local_global_mask(attention_mask: torch.Tensor, global_tokens: torch.Tensor,
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def long_attention_mask(config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                        token_type_ids: torch.Tensor | None, dtype: torch.dtype = torch.float32):
-    """The ``attention_mask=`` for an encoder forward: the 2D mask as is for an ordinary model; for a
-    BertLong (``config.attention_window`` set) the local/global 4D mask whose global tokens are the
-    query segment (token type 0: [CLS] query [SEP]; §4.6), so document tokens see only their window.
+def long_attention_inputs(config, attention_mask: torch.Tensor, document: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The attention keyword arguments of an encoder forward over ``[CLS] query [SEP] document [SEP]``
+    rows: ``attention_mask`` as is for an ordinary model; for a BertLong (``config.attention_window``
+    set) the local/global 4D mask and ``global_tokens``, the query segment (every real token before the
+    document: §4.6), so document tokens see only their window. ``document``: [B, L], 1 on the
+    document side (``clsys.objectives.clir.document_side``).
 
-    Missing masks mean what BERT takes them to mean: no padding, and every token in segment 0.
     ``dtype``: the encoder's compute dtype (eager attention in bf16 needs a bf16 mask; SDPA takes either).
     """
     window = getattr(config, "attention_window", None)
     if not window:
-        return attention_mask
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if token_type_ids is None:
-        token_type_ids = torch.zeros_like(input_ids)
-    query_segment = (token_type_ids == 0) & attention_mask.bool()
-    return local_global_mask(attention_mask, query_segment, window, dtype)
+        return {"attention_mask": attention_mask}
+    query_segment = ~document.bool() & attention_mask.bool()
+    return {"attention_mask": local_global_mask(attention_mask, query_segment, window, dtype),
+            "global_tokens": query_segment}
+
+
+class LongSelfAttention(BertSelfAttention):
+    """BERT self-attention plus Longformer's separate projections for global attention.
+
+    Local rows attend through ``query``/``key``/``value`` (global tokens' local keys included, as in
+    Longformer); global rows (``global_tokens``) attend through ``query_global``/``key_global``/
+    ``value_global`` over every key their mask row allows, which for a global row is every real token.
+    Without ``global_tokens`` the layer is BERT's. Both outputs are computed for every row and the
+    global one kept where a row is global: the query segment is a few tokens, but gathering them per
+    row would cost more code than the second [L, L] product it saves at the lengths BertLong reads.
+    """
+
+    def __init__(self, config, layer_idx=None):
+        super().__init__(config, layer_idx=layer_idx)
+        for name in GLOBAL_PROJECTIONS:
+            setattr(self, name, nn.Linear(config.hidden_size, self.all_head_size))
+
+    @classmethod
+    def from_local(cls, local: BertSelfAttention) -> "LongSelfAttention":
+        """A copy of ``local`` whose global projections start equal to its local ones (§4.6)."""
+        weight = local.query.weight
+        long = cls(local.config, layer_idx=local.layer_idx).to(device=weight.device, dtype=weight.dtype)
+        long.load_state_dict(local.state_dict(), strict=False)
+        for name in GLOBAL_PROJECTIONS:
+            getattr(long, name).load_state_dict(getattr(local, name.removesuffix("_global")).state_dict())
+        return long.train(local.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                global_tokens: torch.Tensor | None = None, **kwargs):
+        local, weights = super().forward(hidden_states, attention_mask, **kwargs)
+        if global_tokens is None:
+            return local, weights
+        heads = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        query, key, value = (getattr(self, name)(hidden_states).view(heads).transpose(1, 2)
+                             for name in GLOBAL_PROJECTIONS)
+        # The kernel BERT's own attention uses, so that equal weights give bit-equal rows.
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attended, _ = attention(self, query, key, value, attention_mask, scaling=self.scaling,
+                                dropout=self.dropout.p if self.training else 0.0, **kwargs)
+        attended = attended.reshape(*hidden_states.shape[:-1], -1)
+        return torch.where(global_tokens[..., None].bool(), attended, local), weights
+
+
+def enable_global_attention(model: nn.Module, path: str | None = None) -> nn.Module:
+    """Give each self-attention of a BertLong ``model`` (``config.attention_window`` set) its global
+    projections: the trained ones saved in the folder ``path`` when it holds them, else copies of the
+    local ones (a freshly converted model). Other models are returned untouched."""
+    if not getattr(model.config, "attention_window", None):
+        return model
+    for name, module in list(model.named_modules()):
+        if type(module) is BertSelfAttention:
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, LongSelfAttention.from_local(module))
+    saved = _saved_global_weights(path) if path else {}
+    if saved:
+        state = {key: saved[_layer_key(key)] for key in model.state_dict() if _is_global(key)
+                 if _layer_key(key) in saved}
+        wanted = sum(_is_global(key) for key in model.state_dict())
+        if len(state) != wanted:
+            raise ValueError(f"{path}: holds {len(saved)} global-attention weights, the model needs {wanted}")
+        model.load_state_dict(state, strict=False)
+    return model
+
+
+def _is_global(key: str) -> bool:
+    return any(f".{name}." in key for name in GLOBAL_PROJECTIONS)
+
+
+def _layer_key(key: str) -> str:
+    # The same weight is "bert.encoder.layer.0..." in a pretraining model and "encoder.layer.0..." in a bare one.
+    return key[key.index("encoder.layer."):]
+
+
+def _saved_global_weights(path: str) -> dict[str, torch.Tensor]:
+    """The global projections a saved folder holds (none for a converted, not yet trained model)."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []:
+        with safe_open(str(file), "pt") as tensors:
+            found.update({_layer_key(key): tensors.get_tensor(key) for key in tensors.keys() if _is_global(key)})
+    return found
 
 
 def load_with_heads(path: str) -> tuple[nn.Module, list[str]]:

@@ -6,6 +6,10 @@ record is used it becomes one query/document example (§4.1): the direction is d
 the query is one random sentence of the query side, the document is the whole aligned section in
 the other language. Both tasks read ``[CLS] query [SEP] document [SEP]`` (token types 0 / 1, §4.2).
 
+The query/document split comes from the tokenizer's sequence ids (``document_side``), not from
+token type ids: XLM-R-style tokenizers (multilingual-e5, XLM-R) give every token type 0, which would
+let QLM mask the document too and make a BertLong's whole row global.
+
 QLM (§4.3): only query tokens are masked (each with p = 0.30, 80/10/10) and predicted with the
 document fully visible, so predicting them pulls in the other language. The MLM head comes from the
 checkpoint when it has one, else it is new with its decoder tied to the word embeddings (the
@@ -22,7 +26,7 @@ Schedule (§4.5): faithful by default, every task × language pair is its own op
 each pair in shuffled order, then RR on each pair); ``schedule: sum`` instead adds
 λ_qlm·QLM + λ_rr·RR in one step. Pairs are drawn per round with ``pair_temperature`` (see
 ``clsys.data.mixing``). BertLong models (``python -m clsys.model.long``) get their local/global
-attention mask (global = the query segment) from ``clsys.model.long.long_attention_mask``.
+attention (global = the query segment) from ``clsys.model.long.long_attention_inputs``.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining
-from clsys.model.long import long_attention_mask
+from clsys.model.long import long_attention_inputs
 from clsys.objectives.base import LossOutput, Objective
 
 TASKS = ("qlm", "rr")
@@ -69,6 +73,22 @@ def clir_example(record: dict, rng: random.Random) -> dict[str, Any]:
     return {"query_lang": query_side["lang"], "doc_lang": doc_side["lang"],
             "query": rng.choice(query_side["sentences"]), "positive": " ".join(doc_side["sentences"]),
             "hard_negatives": list(doc_side["hard_negatives"]), "pair_id": record["pair_id"]}
+
+
+def document_side(encoding) -> torch.Tensor:
+    """[B, L]: 1 on the document side of each tokenized (query, document) row, from the first
+    document token through the row's end (BERT's token type 1 span: the closing [SEP] included).
+
+    Fast tokenizers know which sequence each token came from; a slow one only has token type ids.
+    """
+    if not encoding.encodings:
+        return encoding["token_type_ids"]
+    rows = []
+    for row, mask in enumerate(encoding["attention_mask"].tolist()):
+        ids = encoding.sequence_ids(row)
+        start = ids.index(1) if 1 in ids else len(ids)
+        rows.append([int(i >= start and real) for i, real in enumerate(mask)])
+    return torch.tensor(rows)
 
 
 def hard_negative_probability(hard: int) -> float:
@@ -130,8 +150,9 @@ class CLIR(Objective):
 
     def _pair_encoding(self, queries: list[str], documents: list[str], padding=True) -> dict[str, torch.Tensor]:
         # longest_first trims the longer side (nearly always the document) first, as the original does.
-        return dict(self.tokenizer(queries, documents, truncation="longest_first", max_length=self.cfg.data.max_length,
-                                   padding=padding, return_tensors="pt", return_token_type_ids=True))
+        encoding = self.tokenizer(queries, documents, truncation="longest_first", max_length=self.cfg.data.max_length,
+                                  padding=padding, return_tensors="pt", return_token_type_ids=True)
+        return {**encoding, "document": document_side(encoding)}
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rng = random.Random(random.getrandbits(64))
@@ -142,8 +163,8 @@ class CLIR(Objective):
         batch: dict[str, torch.Tensor] = {}
         if "qlm" in self.oc.tasks:
             qlm = self._pair_encoding(queries, positives)
-            segment = qlm["token_type_ids"].bool()
-            eligible = {"query": ~segment, "document": segment, "mixed": torch.ones_like(segment)}[self.oc.mask_mode]
+            document = qlm["document"].bool()
+            eligible = {"query": ~document, "document": document, "mixed": torch.ones_like(document)}[self.oc.mask_mode]
             masked, chosen = self.masker(qlm["input_ids"], qlm["attention_mask"], eligible)
             batch.update({f"qlm_{k}": v for k, v in qlm.items()})
             batch.update(qlm_masked_input_ids=masked, qlm_chosen=chosen)
@@ -165,20 +186,22 @@ class CLIR(Objective):
 
     # ---- losses -------------------------------------------------------------------------------
 
-    def _hidden(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
-        mask = long_attention_mask(self.model.config, input_ids, attention_mask, token_type_ids, self.model.dtype)
-        return self.encode(self.model, {"input_ids": input_ids, "attention_mask": mask,
-                                        "token_type_ids": token_type_ids}).last_hidden_state
+    def _hidden(self, input_ids, attention_mask, token_type_ids, document) -> torch.Tensor:
+        attention = long_attention_inputs(self.model.config, attention_mask, document, self.model.dtype)
+        return self.encode(self.model, {"input_ids": input_ids, "token_type_ids": token_type_ids,
+                                        **attention}).last_hidden_state
 
     def qlm_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self._hidden(batch["qlm_masked_input_ids"], batch["qlm_attention_mask"], batch["qlm_token_type_ids"])
+        hidden = self._hidden(batch["qlm_masked_input_ids"], batch["qlm_attention_mask"], batch["qlm_token_type_ids"],
+                              batch["qlm_document"])
         return masked_lm_loss(self.mlm_head, hidden, batch["qlm_input_ids"], batch["qlm_chosen"])
 
-    def rr_logits(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
-        return self.rr_head(self._hidden(input_ids, attention_mask, token_type_ids)).float()
+    def rr_logits(self, input_ids, attention_mask, token_type_ids, document) -> torch.Tensor:
+        return self.rr_head(self._hidden(input_ids, attention_mask, token_type_ids, document)).float()
 
     def rr_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.rr_logits(batch["rr_input_ids"], batch["rr_attention_mask"], batch["rr_token_type_ids"])
+        logits = self.rr_logits(batch["rr_input_ids"], batch["rr_attention_mask"], batch["rr_token_type_ids"],
+                                batch["rr_document"])
         labels = batch["rr_labels"]
         return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
 
@@ -224,7 +247,8 @@ class CLIR(Objective):
             for start in range(0, len(queries), size):
                 enc = self._pair_encoding(queries[start:start + size], documents[start:start + size])
                 enc = {k: v.to(device) for k, v in enc.items()}
-                out.append(self.rr_logits(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])[:, 1].cpu())
+                out.append(self.rr_logits(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"],
+                                          enc["document"])[:, 1].cpu())
             self.train(was_training)
             return torch.cat(out) if out else torch.empty(0)
 
