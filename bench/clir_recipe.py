@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--model", default="e5", help="e5 (multilingual-e5-small), a packaged alias or a folder")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/bench-clir")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="evaluate the run already in --out (exported from its checkpoint if need be)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
@@ -75,15 +77,19 @@ def main() -> None:
 
         model = str(build_e5_small(E5_DIR))
 
-    dumps = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-pages-articles.xml.bz2'}" for lang in ("en", "de", "es")]
-    links = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-langlinks.sql.gz'}" for lang in ("en", "de")]
-    run("-m", "data_prep", "align", "--dumps", *dumps, "--langlinks", *links, "--out", shards,
-        "--pairs", "en-de", "en-es", "--shard-size-mb", "0.1")
-
-    train_s = run("-m", "clsys.pretrain", "--config", "clir", f"data.url={shards}", f"train.run_root={out}",
-                  "train.name=clir", f"model.name={model}", f"train.steps={args.steps}", f"train.ckpt_every={args.steps}",
-                  "eval.xling=[]", "eval.tatoeba=[]", "train.log_every=20", *args.overrides)
     export = os.path.join(out, "clir", "export")
+    train_s = 0.0
+    if not args.eval_only:
+        dumps = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-pages-articles.xml.bz2'}" for lang in ("en", "de", "es")]
+        links = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-langlinks.sql.gz'}" for lang in ("en", "de")]
+        run("-m", "data_prep", "align", "--dumps", *dumps, "--langlinks", *links, "--out", shards,
+            "--pairs", "en-de", "en-es", "--shard-size-mb", "0.1")
+        train_s = run("-m", "clsys.pretrain", "--config", "clir", f"data.url={shards}", f"train.run_root={out}",
+                      "train.name=clir", f"model.name={model}", f"train.steps={args.steps}",
+                      f"train.ckpt_every={args.steps}", "eval.xling=[]", "eval.tatoeba=[]", "train.log_every=20",
+                      *args.overrides)
+    elif not os.path.exists(export):
+        run("-m", "clsys.export", "--checkpoint", "latest", "--run", os.path.join(out, "clir"), "--out", export)
 
     reranker = os.path.join(export, "reranker")
     before, after = measure(model, None), measure(export, reranker)

@@ -71,6 +71,7 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "linear"  # linear (decay to 0 at the last step) or constant
     grad_clip: float = 1.0
+    head_lr: float = 0.0  # > 0: learning rate of the objective's task heads (e.g. CLIR's new RR classifier); 0: lr
 
 
 @dataclass
@@ -187,6 +188,7 @@ class Config:
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
+            ("optim.head_lr", self.optim.head_lr >= 0, ">= 0 (0 = optim.lr)"),
             ("objective.grad_cache.chunk_size", self.objective.grad_cache.chunk_size >= 0, ">= 0 (0 = off)"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),

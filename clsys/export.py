@@ -16,6 +16,8 @@ import shutil
 import sys
 import tempfile
 
+import torch
+
 from clsys import storage
 from clsys.engine.checkpoint import latest_checkpoint
 from clsys.engine.selection import BEST_RECORD, read_best
@@ -159,10 +161,21 @@ def publish(folder: str, out: str) -> None:
         storage.upload_dir(folder, out)
 
 
+def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the objective in a downloaded checkpoint ``folder``: gathered from the ZeRO
+    partitions (stages 1-3), or, at ZeRO stage 0, which writes no partitions, the module's own state."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds = os.path.join(folder, "ds")
+    if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
+        return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
+    saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
+    return {name: tensor.float() for name, tensor in saved["module"].items()}
+
+
 def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]:
     """Write the encoder of ``checkpoint`` (see ``choose_checkpoint``) to ``out`` (local folder or URL);
     returns the step folder used and why it was chosen."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig
 
     url, chosen = choose_checkpoint(checkpoint, run)
@@ -171,7 +184,7 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
     try:
         storage.download_dir(url, os.path.join(work, "ckpt"))
         ckpt = os.path.join(work, "ckpt")
-        state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="ds")
+        state = checkpoint_weights(ckpt)
         hf_dir = os.path.join(ckpt, "hf")
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")

@@ -257,3 +257,99 @@ def test_exported_reranker_scores_like_the_rr_head(tiny_model, tmp_path):
     with torch.no_grad():
         theirs = exported(**enc).logits[:, 1]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_head_lr_groups_the_heads_but_not_the_tied_decoder(tiny_model):
+    from clsys.engine.deepspeed import parameter_groups
+
+    objective = make(tiny_model, "optim.weight_decay=0.01")
+    plain = parameter_groups(objective, objective.cfg)
+    assert [(g["lr"], g["weight_decay"]) for g in plain] == [(1e-5, 0.01), (1e-5, 0.0)]  # as before head_lr
+
+    objective = make(tiny_model, "optim.weight_decay=0.01", "optim.head_lr=1e-3")
+    groups = parameter_groups(objective, objective.cfg)
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-5, 0.01), (1e-5, 0.0), (1e-3, 0.01), (1e-3, 0.0)]
+    heads = {id(p) for g in groups[2:] for p in g["params"]}
+    expected = [*objective.rr_head.parameters(), objective.mlm_head.transform.dense.weight, objective.mlm_head.bias]
+    assert all(id(p) in heads for p in expected)
+    decoder = objective.mlm_head.decoder.weight
+    assert decoder is objective.model.embeddings.word_embeddings.weight and id(decoder) not in heads
+    assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in objective.parameters())
+
+
+def _one_step_with_head_lr(rank: int, port: int, tiny: str, out: dict) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
+    from clsys.engine.deepspeed import build_engine, init_distributed
+
+    init_distributed()
+    objective = make(tiny, "cluster.num_workers=1", "train.zero_stage=2", "optim.head_lr=1e-2",
+                     "model.packed=false")
+    engine = build_engine(objective, objective.cfg)
+    before = {name: p.detach().clone() for name, p in objective.named_parameters()}
+    torch.manual_seed(0)
+    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
+    engine.backward(engine(batch).loss)
+    engine.step()
+    moved = {name: (p.detach() - before[name]).abs().max().item() for name, p in objective.named_parameters()}
+    out["classifier"] = moved["rr_head.2.weight"]
+    out["encoder"] = max(v for name, v in moved.items() if name.startswith("model."))
+
+
+def test_head_lr_reaches_the_deepspeed_optimizer(tiny_model):
+    """AdamW's first step moves every parameter with a gradient by about its group's lr: ZeRO-2 must keep
+    the groups' rates."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    out = mp.Manager().dict()
+    mp.spawn(_one_step_with_head_lr, args=(free_port(), tiny_model, out), nprocs=1, join=True)
+    assert out["classifier"] == pytest.approx(1e-2, rel=0.05)
+    assert out["encoder"] == pytest.approx(1e-5, rel=0.05)
+
+
+def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
+    from clsys.engine import checkpoint
+    from clsys.engine.deepspeed import build_engine, init_distributed
+
+    init_distributed()
+    objective = make(tiny, "cluster.num_workers=1", "train.zero_stage=0", "model.packed=false", "optim.lr=1e-3")
+    engine = build_engine(objective, objective.cfg)
+    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
+    engine.backward(engine(batch).loss)
+    engine.step()
+    meta = {"world_size": 1, "objective": "clir", "export_pooling": objective.export_pooling(),
+            "encoder_prefix": "model", "export_head_map": {}, "export_reranker_map": objective.export_reranker_map(),
+            "config": objective.cfg.to_dict()}
+
+    def hf_files(folder: str) -> None:
+        objective.tokenizer.save_pretrained(folder)
+        objective.model.config.save_pretrained(folder)
+
+    checkpoint.save(engine, run, 1, {}, meta, hf_files, keep=1)
+    out["classifier"] = objective.rr_head[2].weight.detach().clone()
+    out["query"] = objective.model.encoder.layer[1].attention.self.query.weight.detach().clone()
+
+
+def test_a_zero_stage_0_checkpoint_exports(tiny_model, tmp_path):
+    """Stage 0 writes no ZeRO partitions: export reads the module's state instead (it used to fail)."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    from clsys.export import export
+    from tests.conftest import free_port
+
+    out, run = mp.Manager().dict(), f"file://{tmp_path}/run"
+    mp.spawn(_stage0_checkpoint, args=(free_port(), tiny_model, run, out), nprocs=1, join=True)
+    export("latest", str(tmp_path / "export"), run)
+    encoder = AutoModel.from_pretrained(tmp_path / "export")
+    assert torch.equal(encoder.encoder.layer[1].attention.self.query.weight, out["query"])
+    reranker = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export" / "reranker")
+    assert torch.equal(reranker.classifier.weight, out["classifier"])

@@ -149,6 +149,22 @@ class Objective(nn.Module):
         """The Hugging Face model that export saves and evaluation embeds with."""
         raise NotImplementedError
 
+    def head_modules(self) -> list[nn.Module]:
+        """The task heads trained on top of the encoder, which ``optim.head_lr`` applies to."""
+        return []
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters of ``head_modules`` that are not the encoder's own (an MLM decoder
+        tied to the word embeddings stays with the encoder)."""
+        encoder = {id(p) for p in self.encoder().parameters()}
+        seen, params = set(), []
+        for module in self.head_modules():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in encoder and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
     def export_pooling(self) -> str:
         """How sentence embeddings are pooled from ``encoder()`` at inference.
 

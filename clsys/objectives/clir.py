@@ -220,6 +220,9 @@ class CLIR(Objective):
     def encoder(self) -> nn.Module:
         return self.model
 
+    def head_modules(self) -> list[nn.Module]:
+        return [self.mlm_head, self.rr_head]
+
     def export_pooling(self) -> str:
         return self.oc.export_pooling
 
