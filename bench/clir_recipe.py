@@ -1,6 +1,6 @@
 """Cross-lingual retrieval pretraining (QLM + RR) before/after, on held-out XQuAD articles and Tatoeba.
 
-    python bench/clir_recipe.py [--model e5|all-MiniLM-L6-v2|DIR] [--steps 300] [--out runs/bench-clir] [KEY=VALUE ...]
+    python bench/clir_recipe.py [--model e5|all-MiniLM-L6-v2|DIR] [--steps 300] [--out runs/bench-clir] [KEY=VALUE ...] [--rerank DIR ...]
 
 1. `data_prep align` on the bundled fixtures (tests/data/clir: Wikipedia text of XQuAD articles 0-23
    in en/de/es as MediaWiki dumps + langlinks SQL) → clir/en-de and clir/en-es streams;
@@ -66,9 +66,9 @@ def main() -> None:
     parser.add_argument("--model", default="e5", help="e5 (multilingual-e5-small), a packaged alias or a folder")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/bench-clir")
-    parser.add_argument("--rerank", nargs="+", default=list(DIRECTIONS), choices=DIRECTIONS,
-                        help="directions the RR head re-ranks (a cross-encoder pass per question × top 10: "
-                             "~12 min a direction for e5-small on 2 CPU cores)")
+    parser.add_argument("--rerank", nargs="*", default=list(DIRECTIONS), choices=DIRECTIONS,
+                        help="directions the RR head re-ranks, none when empty (a cross-encoder pass per question "
+                             "× top 10: ~12 min a direction for e5-small on 2 CPU cores); put it after KEY=VALUE")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate the run already in --out (exported from its checkpoint if need be)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
