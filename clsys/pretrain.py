@@ -83,6 +83,10 @@ def init_ray(cfg: Config) -> None:
         env.setdefault("DS_ACCELERATOR", "cpu")
     # Ray Train routes workers' print() through its logger, which reaches the console twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # ray.train.report is a barrier across ranks too (Ray's own, not gloo's) with no timeout by
+    # default: a rank stopped while its peers wait there would hang them until Ray's 10-minute health
+    # check. The watchdog's timeout applies to it as well.
+    env["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(cfg.cluster.collective_timeout_s)
     # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
@@ -98,8 +102,10 @@ def init_ray(cfg: Config) -> None:
 
 def train(cfg: Config, resume: str | None, worker=None) -> None:
     """One Ray Train run of ``worker`` (default: the step loop, ``clsys.engine.loop.train_worker``)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from clsys.engine.failures import FailureReport
 
     if worker is None:
         from clsys.engine.loop import train_worker as worker
@@ -117,11 +123,15 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
         run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,
-                             failure_config=FailureConfig(max_failures=c.max_restarts)),
+                             failure_config=FailureConfig(max_failures=c.max_restarts),
+                             callbacks=[FailureReport()]),
     )
-    result = trainer.fit()
-    if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}")
+    try:
+        trainer.fit()
+    except TrainingFailedError as err:
+        # FailureReport has named each failed rank's error; Ray's text holds the full tracebacks.
+        raise RuntimeError(f"training failed after {c.max_restarts} restart(s): "
+                           f"{str(err).strip().splitlines()[0]}") from err
 
 
 def _task_path(path: str) -> str:
@@ -264,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     install_stop_handlers(run)
     init_ray(cfg)
     install_stop_handlers(run)  # again: ray.init installs a SIGTERM handler of its own
-    train(cfg, resume)
+    try:
+        train(cfg, resume)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     os.chdir(started_in if os.path.isdir(started_in) else tempfile.gettempdir())
     latest = checkpoint.complete_checkpoints(run)[-1][0]
     if latest < cfg.train.steps:  # the workers stopped on request
