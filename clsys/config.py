@@ -58,19 +58,19 @@ class ObjectiveConfig:
     that ``objective.name`` selects, so each objective declares exactly the keys it accepts.
     """
 
-    name: str = "simcse"
+    name: str = "simcse"  # simcse, self_guided, tacl, clir or css_lm; the other objective.* keys are its own
     grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: float = 3e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay, not applied to biases and LayerNorm weights
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 0  # linear warm-up steps
     schedule: str = "linear"  # linear (decay to 0 at the last step) or constant
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # gradient-norm clipping
     head_lr: float = 0.0  # > 0: learning rate of the objective's task heads (e.g. CLIR's new RR classifier); 0: lr
 
 
@@ -78,19 +78,19 @@ class OptimConfig:
 class TrainConfig:
     name: str = "quickstart"  # run name: the run lives at <run_root>/<name>
     run_root: str = "runs"  # local folder, file:// or s3:// URL
-    steps: int = 200
+    steps: int = 200  # optimizer steps
     batch_size: int = 32  # global batch (all ranks, all accumulation steps)
-    grad_accum: int = 1
-    seed: int = 42
+    grad_accum: int = 1  # micro-batches per optimizer step (in-batch negatives are per micro-batch × ranks)
+    seed: int = 42  # model init and data order are the same on all ranks; dropout is seeded per rank
     # fp32; bf16: autocast (bf16 matmuls, fp32 weights, gradients and optimizer state); bf16_weights:
     # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory);
     # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision)
     precision: str = "fp32"
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
-    zero_stage: int = 2
-    log_every: int = 10
-    ckpt_every: int = 100
-    keep_checkpoints: int = 2
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
+    log_every: int = 10  # TensorBoard/console logging interval (steps)
+    ckpt_every: int = 100  # checkpoint interval (steps; and always at the last step)
+    keep_checkpoints: int = 2  # complete checkpoints kept (the best one, eval.select, is kept besides)
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
     tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often
     log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
@@ -99,9 +99,9 @@ class TrainConfig:
 
 @dataclass
 class ClusterConfig:
-    num_workers: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: int = 1
+    num_workers: int = 2  # Ray Train workers (data-parallel ranks)
+    use_gpu: bool = False  # one GPU per worker, NCCL
+    cpus_per_worker: int = 1  # CPUs reserved per worker
     max_restarts: int = 0  # worker-group restarts after a failure (Ray FailureConfig)
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck or lost rank) fails the step
     stop_poll_s: float = 5.0  # how often rank 0 looks for a stop request (<run>/STOP, written on SIGUSR1/SIGTERM)
@@ -110,10 +110,10 @@ class ClusterConfig:
 @dataclass
 class EvalConfig:
     sts_dev: str = "stsb-en-dev"  # bundled name or path; "" disables evaluation during training
-    every: int = 100
-    pooling: str = "cls"
+    every: int = 100  # evaluation interval (also at step 0 and the last step)
+    pooling: str = "cls"  # pooling for the evaluation during training: cls, mean or max
     max_pairs: int = 0  # 0 = all pairs of the dev set
-    batch_size: int = 64
+    batch_size: int = 64  # sentences per evaluation forward
     sts_test: str = ""  # after training: compare the base model and the exported one on this set
     test_poolings: str = "cls,mean"  # comma list of poolings for that comparison
     heatmap_text: str = ""  # when set: a token-similarity heatmap of this sentence in TensorBoard at each evaluation
@@ -123,8 +123,8 @@ class EvalConfig:
     rerank_top: int = 10  # re-rank this many bi-encoder candidates with the objective's scorer (0 = off)
     # Best checkpoint: the evaluation metric that picks it (sts_dev = the sts_dev set's Spearman, or a
     # logged eval metric such as xquad_en-de_mrr@10; "" = export the last checkpoint), and its direction.
-    select: str = "sts_dev"
-    select_mode: str = "max"
+    select: str = "sts_dev"  # the eval metric that picks the best checkpoint (sts_dev or a logged one); "" = the last
+    select_mode: str = "max"  # max or min: which direction of eval.select is better
 
 
 @dataclass
@@ -136,7 +136,7 @@ class TaskConfig:
     test: str = ""  # reported at the best dev epoch
     shots: int = 16  # examples per class drawn from train with the repeat's seed (0 = all of train)
     text_field: str = ""  # CSV/TSV/JSONL field names; "" = guessed (text/sentence/…, label/…)
-    label_field: str = ""
+    label_field: str = ""  # the label column/field; "" = guessed (label/gold_label/class/y)
     warmup_epochs: int = 14  # stage A (or the plain fine-tuning baseline's only stage)
     epochs: int = 14  # stage C
     warmup_fraction: float = 0.1  # linear lr warm-up over this fraction of each stage's steps

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 # A local Ray cluster started by this driver must not pick the machine's external address for its
-# services and gloo (see README). Joining a cluster, the cluster's own settings apply.
+# services and gloo (see docs/running/ray.md). Joining a cluster, the cluster's own settings apply.
 if not os.environ.get("RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -27,7 +27,7 @@ python=${CLSYS_PYTHON:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
 ray_bin=$(dirname "$(command -v "$python")")/ray
 
-# Keep every Ray process on loopback (see README "Ray on one machine"), with token auth.
+# Keep every Ray process on loopback (see docs/running/ray.md, "Ray on one machine"), with token auth.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token
 
 wait_for() {  # wait_for SECONDS WHAT COMMAND...: poll COMMAND every second until it succeeds

@@ -246,7 +246,7 @@ def hard_negatives(article: Article, aligned: int, related: list[Article], min_s
 
 
 def record(pair: str, a: Article, b: Article, m: Match, related: dict[str, dict[int, list[Article]]], args) -> dict:
-    """The symmetric sample of one aligned section pair (see README "data_prep align")."""
+    """The symmetric sample of one aligned section pair (see docs/data-prep.md, "align")."""
     pair_id = f"{pair}/{a.page_id}-{b.page_id}/{m.i}-{m.j}"
     sides = []
     for article, index in ((a, m.i), (b, m.j)):

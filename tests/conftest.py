@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-# Keep Ray (and gloo's MASTER_ADDR) on loopback; see README "Ray on one machine".
+# Keep Ray (and gloo's MASTER_ADDR) on loopback; see docs/running/ray.md, "Ray on one machine".
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

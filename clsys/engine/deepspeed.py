@@ -54,7 +54,7 @@ def bf16_matmul_units(use_gpu: bool) -> bool:
 def step_precision(cfg: Config) -> str:
     """``train.precision`` with ``auto`` resolved on this worker: ``bf16`` (autocast) where the device has
     bf16 matrix units, else ``fp32``. On a CPU with them (e.g. AVX512-BF16), MiniLM's SimCSE step ran 1.9×
-    as fast as in fp32 (README, "Throughput and scale")."""
+    as fast as in fp32 (docs/benchmarks.md, "Throughput and scale")."""
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if bf16_matmul_units(cfg.cluster.use_gpu) else "fp32"
@@ -137,7 +137,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = Fal
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     # torch's fused AdamW, on GPU and CPU alike: one pass over each tensor instead of ~10. On CPU, ZeRO's
     # optimizer holds one flat fp32 partition far larger than the caches, which the unfused update streams
-    # through memory once per operation: MiniLM's ZeRO-2 step took 0.24 s unfused, 0.08 s fused (bench/README).
+    # through memory once per operation: MiniLM's ZeRO-2 step took 0.24 s unfused, 0.08 s fused (docs/benchmarks.md, "Throughput and scale").
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg, load_universal))
     return engine

@@ -55,8 +55,8 @@ class CLIRConfig(ObjectiveConfig):
     tasks: list[str] = field(default_factory=lambda: list(TASKS))  # [qlm], [rr] are the single-task ablations
     schedule: str = "alternate"  # alternate: one optimizer step per task × pair (faithful); sum: one step, losses added
     pair_temperature: float = 0.0  # 0: each pair once per round, shuffled (faithful); T > 0: p ∝ pair size^(1/T)
-    qlm_weight: float = 1.0
-    rr_weight: float = 1.0
+    qlm_weight: float = 1.0  # λ of the QLM loss (§4.5: 1)
+    rr_weight: float = 1.0  # λ of the RR loss (§4.5: 1)
     mask_probability: float = 0.30  # per query token, independently (§4.3)
     mask_mode: str = "query"  # query (faithful default), document or mixed: the §4.3 ablations
     rr_negatives: int = 1  # negatives per positive (num_neg)

@@ -29,14 +29,14 @@ from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
 @dataclass
 class SimCSEConfig(ObjectiveConfig):
-    temperature: float = 0.05
+    temperature: float = 0.05  # τ of the InfoNCE loss (§2.2)
     pooler: str = "cls_mlp"  # training pooling: cls_mlp (fresh Linear+tanh on CLS) or cls/mean/max
     export_pooling: str = "cls"  # inference pooling of the exported encoder (SimCSE: raw CLS)
     gather: bool = True  # negatives from the global batch (all ranks) rather than the local one
     supervised: bool = False  # NLI triplets with hard negatives (§2.3) instead of dropout views of sentences
     hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (§2.3; supervised only)
     mlm_weight: float = 0.0  # > 0 adds the MLM auxiliary on a separate masked forward (§2.3: 0.1 when on)
-    mlm_probability: float = 0.15
+    mlm_probability: float = 0.15  # share of tokens masked for the MLM auxiliary
 
 
 class MLPPooler(nn.Module):

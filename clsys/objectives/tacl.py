@@ -34,14 +34,14 @@ from clsys.objectives.base import LossOutput, Objective
 
 @dataclass
 class TaCLConfig(ObjectiveConfig):
-    temperature: float = 0.01
-    mask_probability: float = 0.15
+    temperature: float = 0.01  # τ of the token-level InfoNCE (§1.5)
+    mask_probability: float = 0.15  # share of tokens masked (§1.3)
     mask_cap: int = 64  # at most this many masked positions per sequence (0.25 · 256 in the original)
-    mlm_weight: float = 1.0
-    contrastive_weight: float = 1.0
+    mlm_weight: float = 1.0  # weight of the student's MLM loss (§1.5: 1)
+    contrastive_weight: float = 1.0  # weight of the token-level contrastive loss (§1.5: 1)
     pad_negatives: bool = False  # fixed-length padding with pads in the denominator (faithful)
     teacher_dropout: bool = False  # run the frozen teacher in train mode (faithful) instead of eval
-    export_pooling: str = "cls"
+    export_pooling: str = "cls"  # pooling written to the exported sentence-transformers folder
     nsp_weight: float = 0.0  # > 0: add next-sentence prediction on sentence pairs (original: 1.0)
 
 
