@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 
@@ -32,7 +33,7 @@ from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_s
 # Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
 # visible in the dashboard): workers read them from their own environment / instance role.
 WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
-              "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR")
+              "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "RAY_API_SERVER_ADDRESS")
 
 
 def resolve_resume(cfg: Config, run: str) -> str | None:
@@ -96,8 +97,23 @@ def init_ray(cfg: Config) -> None:
         print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
         return
     cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env})
-    print(f"[clsys] started a local Ray cluster with {cpus} CPUs (set RAY_ADDRESS to join one)", flush=True)
+    # Ray Train's placement-group cleaner asks the State API (served by the dashboard) whether the
+    # run's controller is alive, and at the end of the run waits for its last answer. A worker finds
+    # the dashboard of a cluster that `ray.init` started only through RAY_API_SERVER_ADDRESS (else it
+    # tries the address of the last `ray start` on this machine): without both, every run ended with a
+    # 15 s wait and a "Failed to stop PlacementGroupCleaner" traceback.
+    dashboard = f"127.0.0.1:{free_loopback_port()}"
+    env["RAY_API_SERVER_ADDRESS"] = f"http://{dashboard}"
+    ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=int(dashboard.rpartition(":")[2]), runtime_env={"env_vars": env})
+    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard http://{dashboard} "
+          "(set RAY_ADDRESS to join one)", flush=True)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def train(cfg: Config, resume: str | None, worker=None) -> None:

@@ -134,3 +134,31 @@ def tiny_bert_with_heads(tmp_path_factory) -> str:
                                   max_position_embeddings=128)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray cluster (all on 127.0.0.1, dashboard included) that every `python -m clsys.pretrain`
+    a test module starts joins, through RAY_ADDRESS in this process's environment, instead of starting
+    and stopping a cluster of its own (~7 s a run). Modules whose assertions are about a cluster the
+    run starts itself, or about other launchers, do not use it; test_pretrain's S3 run keeps the
+    driver's own local cluster covered. Yields the joining environment; a test can pass another."""
+    from ray.cluster_utils import Cluster
+
+    dashboard = free_port()
+    # 4 logical CPUs: the elastic tests resume on 3 workers of 1 CPU.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": dashboard})
+    env = {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        cluster.shutdown()

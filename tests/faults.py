@@ -151,17 +151,23 @@ def partial_checkpoint(run_url: str, step: int) -> bool:
 @contextlib.contextmanager
 def two_node_cluster(cpus_per_node: int = 1):
     """A head node with no CPUs (Ray Train's controller needs none) and two worker nodes, all on
-    127.0.0.1; yields (cluster, [node, node]). ``cluster.remove_node(node)`` kills a node's raylet and
-    every worker process on it, like losing a machine."""
+    127.0.0.1; yields (cluster, [node, node], env), env being what a driver needs to join it (its
+    address, and its dashboard's for Ray Train's State API queries: see clsys.pretrain.init_ray).
+    ``cluster.remove_node(node)`` kills a node's raylet and every worker process on it, like losing a
+    machine."""
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False})
+    from conftest import free_port
+
+    dashboard = f"127.0.0.1:{free_port()}"
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": int(dashboard.rpartition(":")[2])})
     nodes = [cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1") for _ in range(2)]
     cluster.wait_for_nodes()
     try:
-        yield cluster, nodes
+        yield cluster, nodes, {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://{dashboard}"}
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -178,6 +178,7 @@ def test_two_workers_two_seeds_on_s3(s3_bucket, tiny, small_task, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("shared_ray")
 def test_one_worker_resumes_by_stage(tiny, small_task, corpus, tmp_path):
     common = tiny_run(tiny, small_task, corpus, str(tmp_path), "cluster.num_workers=1", "train.name=one",
                       "objective.bank_refresh_every=2")
@@ -207,6 +208,7 @@ def test_one_worker_resumes_by_stage(tiny, small_task, corpus, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("shared_ray")
 def test_plain_finetuning_baseline(tiny, small_task, corpus, tmp_path):
     proc = run(*tiny_run(tiny, small_task, corpus, str(tmp_path), "cluster.num_workers=1", "train.name=ft",
                          "objective.method=finetune", "corpus.url="))  # the baseline needs no corpus

@@ -21,7 +21,7 @@ from clsys import storage
 from faults import Run, partial_checkpoint, two_node_cluster
 from test_pretrain import SAMPLE, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("shared_ray")]
 STEPS = 8
 
 
@@ -83,40 +83,56 @@ def baseline(shards, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_kill_9_of_a_worker_mid_checkpoint_restarts_from_the_previous_one_and_matches(shards, baseline, tmp_path,
-                                                                                      stage):
-    """kill -9 of rank 1 while checkpoint 4 is being written (file://): the restart resumes from 2."""
-    name = f"z{stage}"
-    r = Run(recipe(shards, tmp_path, name, f"train.zero_stage={stage}", "cluster.max_restarts=1"))
-    r.when(lambda: partial_checkpoint(f"file://{tmp_path}/{name}", 4), lambda: r.signal_rank(1, signal.SIGKILL),
+def test_kill_9_of_a_worker_mid_checkpoint_restarts_from_the_previous_one_and_matches(shards, baseline, tmp_path):
+    """ZeRO-2: kill -9 of rank 1 while checkpoint 4 is being written (file://): the restart resumes from 2."""
+    r = Run(recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.max_restarts=1"))
+    r.when(lambda: partial_checkpoint(f"file://{tmp_path}/z2", 4), lambda: r.signal_rank(1, signal.SIGKILL),
            name="kill rank 1 while checkpoint 4 is written")
     result = r.wait()
     assert result.returncode == 0 and result.fired, result.fired
     assert "resumed from" in result.output and "step-00000002" in result.output
-    assert_same_run(tmp_path / name, baseline[stage])
+    assert_same_run(tmp_path / "z2", baseline[2])
 
 
-def test_stopped_run_resumed_by_hand_matches(shards, baseline, tmp_path):
-    """ZeRO-3: the job dies (no restarts allowed), `--resume latest` finishes it."""
+def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resumed_by_hand(shards, baseline,
+                                                                                          tmp_path):
+    """ZeRO-3, one restart allowed. kill -9 of rank 1 while checkpoint 4 is being written: the restart
+    resumes from 2. Then kill -9 of rank 0 at step 5: no restart is left, so the job dies (no export);
+    `--resume latest` finishes it, equal to the uninterrupted run."""
     args = recipe(shards, tmp_path, "z3", "train.zero_stage=3")
-    r = Run(args)
+    r = Run(args + ["cluster.max_restarts=1"])
+    r.when(lambda: partial_checkpoint(f"file://{tmp_path}/z3", 4), lambda: r.signal_rank(1, signal.SIGKILL),
+           name="kill rank 1 while checkpoint 4 is written")
+    # Rank 0 prints the step lines, after its own pid line: the pid is the restarted rank 0's.
     r.on_line(r"\[clsys\] step 5/", lambda: r.signal_rank(0, signal.SIGKILL))
-    assert r.wait().returncode != 0
+    result = r.wait()
+    assert "kill rank 1 while checkpoint 4 is written" in result.fired and "line \\[clsys\\] step 5/" in result.fired, \
+        result.fired
+    assert "resumed from" in result.output and "step-00000002" in result.output
+    assert result.returncode == 1 and "error: training failed after 1 restart(s)" in result.output
     assert not (tmp_path / "z3" / "export").exists()
     resumed = Run(args + ["train.resume=latest"]).wait()
     assert resumed.returncode == 0 and "resumed from" in resumed.output
     assert_same_run(tmp_path / "z3", baseline[3])
 
 
-def test_preemption_notice_checkpoints_stops_and_resumes(shards, baseline, tmp_path):
-    """SIGUSR1 to the driver (SLURM's warning before the time limit): checkpoint at the next step, exit 75;
-    `--resume latest` finishes the run as if nothing happened."""
+def test_stuck_rank_restarts_then_a_preemption_notice_stops_and_resume_matches(shards, baseline, tmp_path):
+    """Two faults in one run (ZeRO-2, one restart allowed). Rank 1 stopped with SIGSTOP at step 3: the
+    collective watchdog fails the group and it restarts from checkpoint 2. Then SIGUSR1 to the driver
+    (SLURM's warning before the time limit): checkpoint at the next step, exit 75; `--resume latest`
+    finishes the run as if nothing had happened."""
     args = recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.stop_poll_s=0.2")
-    r = Run(args)
-    r.on_line(r"\[clsys\] step 3/", lambda: r.signal_driver(signal.SIGUSR1))
+    r = Run(args + ["cluster.max_restarts=1", "cluster.collective_timeout_s=30"])
+    r.on_line(r"\[clsys\] step 3/", lambda: r.signal_rank(1, signal.SIGSTOP))
+    r.on_line(r"\[clsys\] resumed from", lambda: r.signal_driver(signal.SIGUSR1))
     result = r.wait()
-    assert result.returncode == 75 and result.fired, result.fired
+    assert result.returncode == 75, result.output[-3000:]
+    assert {f.partition(" (")[0] for f in result.fired} >= {"SIGSTOP rank 1", "SIGUSR1 driver"}, result.fired
+    # gloo's timeout when the peers wait in a collective of the step, Ray Train's when they wait in
+    # ray.train.report's barrier: both are cluster.collective_timeout_s, and clsys names the failure.
+    assert re.search(r"\[clsys\] rank 0 failed: \w+: .*(Timed out waiting 30000ms|collective operation timed out "
+                     r"after 3\d\.\d\d seconds)", result.output), "the collective timeout is not what caught the stuck rank"
+    assert "resumed from" in result.output
     stopped = re.search(r"stopped at step (\d+) on request", result.output)
     assert stopped and 3 <= int(stopped.group(1)) < STEPS
     assert not (tmp_path / "z2" / "export").exists()
@@ -125,28 +141,14 @@ def test_preemption_notice_checkpoints_stops_and_resumes(shards, baseline, tmp_p
     assert_same_run(tmp_path / "z2", baseline[2])
 
 
-def test_stuck_rank_is_caught_by_the_collective_watchdog(shards, baseline, tmp_path):
-    r = Run(recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.max_restarts=1",
-                   "cluster.collective_timeout_s=30"))
-    r.on_line(r"\[clsys\] step 3/", lambda: r.signal_rank(1, signal.SIGSTOP))
-    result = r.wait()
-    assert result.returncode == 0 and result.fired
-    # gloo's timeout when the peers wait in a collective of the step, Ray Train's when they wait in
-    # ray.train.report's barrier: both are cluster.collective_timeout_s, and clsys names the failure.
-    assert re.search(r"\[clsys\] rank 0 failed: \w+: .*(Timed out waiting 30000ms|collective operation timed out "
-                     r"after 3\d\.\d\d seconds)", result.output), "the collective timeout is not what caught the stuck rank"
-    assert "resumed from" in result.output
-    assert_same_run(tmp_path / "z2", baseline[2])
-
-
 def test_lost_ray_node_restarts_on_a_replacement(shards, baseline, tmp_path):
-    with two_node_cluster() as (cluster, nodes):
+    with two_node_cluster() as (cluster, nodes, join):
         def lose_a_node():
             cluster.remove_node(nodes[1])
             cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # the autoscaler's replacement
 
         r = Run(recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.max_restarts=2"),
-                env={"RAY_ADDRESS": cluster.address})
+                env=join)
         r.on_line(r"\[clsys\] step 3/", lose_a_node)
         result = r.wait()
     assert result.returncode == 0 and result.fired
@@ -209,8 +211,10 @@ def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(shards, baseline, s
 
     faults = [Fault("truncate", "GET", 7), Fault("reset", "GET", 11), Fault("503", "PUT", 5), Fault("500", "ANY", 13)]
     with FaultProxy(s3_auth_server["endpoint"], faults) as proxy:
+        # Its own local Ray cluster, not the module's: workers take S3 credentials from their own
+        # environment, which is the one the cluster started in.
         r = Run(recipe(s3_shards, runs, "z2", "train.zero_stage=2", "cluster.max_restarts=1"),
-                env={**direct, "AWS_ENDPOINT_URL": proxy.endpoint})
+                env={**direct, "AWS_ENDPOINT_URL": proxy.endpoint, "RAY_ADDRESS": ""})
         r.when(lambda: partial_checkpoint(f"{runs}/z2", 4), lambda: r.signal_rank(0, signal.SIGKILL),
                name="kill rank 0 while checkpoint 4 is written")
         result = r.wait()

@@ -125,6 +125,7 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
                                cls, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("shared_ray")
 def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_path):
     """ZeRO-3, bf16 autocast, 2 accumulation micro-steps, and GradCache chunks of 3 rows (8 per micro-step)."""
     # A relative run_root is relative to the driver's folder (Ray workers run elsewhere).
@@ -180,6 +181,7 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
 @pytest.mark.parametrize("recipe,extra", [("simcse_sup", ["objective.mlm_weight=0.1"]),
                                           ("tacl", ["objective.nsp_weight=1.0"]),
                                           ("sg_opt", ["objective.grad_cache.chunk_size=3"])])
+@pytest.mark.usefixtures("shared_ray")
 def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, local_shards, tmp_path):
     """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store
     (SimCSE with its MLM auxiliary on, TaCL with NSP on, SG-OPT with GradCache, so those paths run through
@@ -199,6 +201,7 @@ def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, local_shards, tm
     assert [e.step for e in events.Images("analysis/token_similarity")] == [0, 2]
 
 
+@pytest.mark.usefixtures("shared_ray")
 def test_tacl_from_scratch_with_a_sentencepiece_tokenizer(local_shards, tmp_path):
     """model.init: scratch — a random BERT sized to a tokenizer trained by `data_prep tokenizer`."""
     tokenizer = tmp_path / "tokenizer"
