@@ -1,6 +1,7 @@
 """Shared fixtures: a real S3-compatible server (moto_server) on 127.0.0.1, in its own process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -21,6 +22,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environ_set(env: dict[str, str]):
+    """This process's environment with ``env`` set (so also every subprocess a test starts), restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -47,16 +63,12 @@ def s3_server():
     endpoint = f"http://127.0.0.1:{port}"
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield endpoint
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        with environ_set(env):
+            yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -151,14 +163,8 @@ def shared_ray():
         "num_cpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
         "dashboard_port": dashboard})
     env = {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        yield env
+        with environ_set(env):
+            yield env
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         cluster.shutdown()
