@@ -100,17 +100,19 @@ def init_ray(cfg: Config) -> None:
     # Ray Train's placement-group cleaner asks the State API (served by the dashboard) whether the
     # run's controller is alive, and at the end of the run waits for its last answer. A worker finds
     # the dashboard of a cluster that `ray.init` started only through RAY_API_SERVER_ADDRESS (else it
-    # tries the address of the last `ray start` on this machine): without both, every run ended with a
-    # 15 s wait and a "Failed to stop PlacementGroupCleaner" traceback.
-    dashboard = f"127.0.0.1:{free_loopback_port()}"
-    env["RAY_API_SERVER_ADDRESS"] = f"http://{dashboard}"
+    # tries the address of the last `ray start` on this machine, then 127.0.0.1:8265): without both,
+    # a warning every second, and where an old `ray start` left its address a 15 s wait and a "Failed
+    # to stop PlacementGroupCleaner" traceback at the end of every run.
+    port = free_loopback_port()
+    env["RAY_API_SERVER_ADDRESS"] = dashboard = f"http://127.0.0.1:{port}"
     ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=int(dashboard.rpartition(":")[2]), runtime_env={"env_vars": env})
-    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard http://{dashboard} "
+             dashboard_port=port, runtime_env={"env_vars": env})
+    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
           "(set RAY_ADDRESS to join one)", flush=True)
 
 
 def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tests' servers take theirs from here too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

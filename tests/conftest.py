@@ -17,11 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clsys.pretrain import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
 
 
 @contextlib.contextmanager
@@ -155,16 +151,23 @@ def shared_ray():
     and stopping a cluster of its own (~7 s a run). Modules whose assertions are about a cluster the
     run starts itself, or about other launchers, do not use it; test_pretrain's S3 run keeps the
     driver's own local cluster covered. Yields the joining environment; a test can pass another."""
+    # 4 logical CPUs: the elastic tests resume on 3 workers of 1 CPU.
+    with loopback_ray_cluster(head_cpus=4) as (_, env), environ_set(env):
+        yield env
+
+
+@contextlib.contextmanager
+def loopback_ray_cluster(head_cpus: int):
+    """A real Ray cluster (``ray.cluster_utils.Cluster``) on 127.0.0.1, its dashboard on a free port;
+    yields (cluster, env), env being what a driver needs to join it: its address, and its dashboard's
+    for Ray Train's State API queries (see clsys.pretrain.init_ray)."""
     from ray.cluster_utils import Cluster
 
-    dashboard = free_port()
-    # 4 logical CPUs: the elastic tests resume on 3 workers of 1 CPU.
+    port = free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": dashboard})
-    env = {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+        "num_cpus": head_cpus, "node_ip_address": "127.0.0.1", "include_dashboard": True,
+        "dashboard_host": "127.0.0.1", "dashboard_port": port})
     try:
-        with environ_set(env):
-            yield env
+        yield cluster, {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     finally:
         cluster.shutdown()

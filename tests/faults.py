@@ -156,18 +156,13 @@ def two_node_cluster(cpus_per_node: int = 1):
     ``cluster.remove_node(node)`` kills a node's raylet and every worker process on it, like losing a
     machine."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    from conftest import free_port
+    from conftest import loopback_ray_cluster
 
-    dashboard = f"127.0.0.1:{free_port()}"
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": int(dashboard.rpartition(":")[2])})
-    nodes = [cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1") for _ in range(2)]
-    cluster.wait_for_nodes()
-    try:
-        yield cluster, nodes, {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://{dashboard}"}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with loopback_ray_cluster(head_cpus=0) as (cluster, join):
+        nodes = [cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1") for _ in range(2)]
+        cluster.wait_for_nodes()
+        try:
+            yield cluster, nodes, join
+        finally:
+            ray.shutdown()
