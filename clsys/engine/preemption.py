@@ -44,15 +44,28 @@ def install_stop_handlers(run_url: str) -> None:
 
     def on_signal(signum, _frame) -> None:
         if _stop_requested.is_set():
-            return
+            return  # a second notice that arrived before the first one's handler ran
         _stop_requested.set()
+        ignore_stop_signals()
         name = signal.Signals(signum).name
         print(f"[clsys] {name}: asking the workers to checkpoint and stop", file=sys.stderr, flush=True)
         # Storage calls do not belong in a signal handler (it interrupts arbitrary code): a thread writes.
         threading.Thread(target=write_marker, args=(name,), daemon=True).start()
 
+    if _stop_requested.is_set():
+        ignore_stop_signals()
+        return
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
+
+
+def ignore_stop_signals() -> None:
+    """After the first request, later notices (SLURM's script repeats them until the driver exits)
+    are ignored by the kernel rather than by a handler: Python restores the default action of the
+    signals it handles while the interpreter shuts down, and a notice arriving then would kill the
+    driver with SIGUSR1 (exit 138) instead of letting it exit 75. SIG_IGN survives that shutdown."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def clear_stop_marker(run_url: str) -> None:
