@@ -17,14 +17,16 @@ batch, max length, lr (3e-5, AdamW, grad clip 1.0), CLS pooling, τ 0.05 and num
       reported apart from the targets). Its batch lengths vary within each window of K steps, so it is
       timed over whole windows: K untimed steps, then the windows that --steps covers, rounded up,
       logged every K steps.
-Every row above computes in fp32 (``train.precision=fp32``). On a CPU with bf16 matrix units, three
-more rows, apart from the targets: (a) under ``torch.autocast`` bf16, and clsys with 1 and 2 workers
-at ``train.precision=auto`` (what the quickstart ships: bf16 autocast there, fp32 weights and AdamW).
+Every row above computes in fp32 (``train.precision=fp32``). On a CPU with bf16 matrix units, four
+more rows, apart from the targets: (a) under ``torch.autocast`` bf16, clsys with 1 and 2 workers at
+``train.precision=auto`` (what the quickstart ships: bf16 autocast there, fp32 weights and AdamW), and
+the 2-worker one again logging every step (``train.log_every=1``: what logging itself costs).
 Every way runs --warmup untimed steps, then --steps timed ones. (a) and (b) run in this process with
-all cores; (c)'s rate is the mean of its logged intervals (``perf/step_time_s``, one per --warmup steps)
-after the first, start-up and the final checkpoint excluded. (a), (b) read the same shuffled sentences;
-clsys reads the same shards in its own seeded order. Prints a table, then ``ratio`` lines (targets:
-clsys 1 worker ≥ 1.2× sentence-transformers and ≥ 1.0× bare, 2 workers ≥ 0.9× bare).
+all cores; (c)'s rate is the mean of its logged intervals (``perf/step_time_s``, one per --warmup steps,
+or per step when logging every step) after the warm-up, start-up and the final checkpoint excluded.
+(a), (b) read the same shuffled sentences; clsys reads the same shards in its own seeded order. Prints
+a table, then ``ratio`` lines (targets: clsys 1 worker ≥ 1.2× sentence-transformers and ≥ 1.0× bare,
+2 workers ≥ 0.9× bare; logging every step ≥ 0.95× logging every 5).
 
 --profile: the clsys runs log where their step's time goes (``train.profile``: forward + backward,
 optimizer, communication, loader wait, other), printed per row beside the bare loop's own split. On a
@@ -106,27 +108,31 @@ RATIOS = [("clsys_1w_over_sentence_transformers", "1w", "st"), ("clsys_1w_over_b
           ("clsys_1w_grouped_over_sentence_transformers", "1w_grouped", "st"),
           ("clsys_1w_grouped_over_bare", "1w_grouped", "bare"),
           ("clsys_1w_bf16_over_bare_bf16", "1w_bf16", "bare_bf16"), ("clsys_1w_bf16_over_bare", "1w_bf16", "bare"),
-          ("clsys_2w_bf16_over_bare", "2w_bf16", "bare"), ("clsys_1w_bf16_over_sentence_transformers", "1w_bf16", "st")]
+          ("clsys_2w_bf16_over_bare", "2w_bf16", "bare"), ("clsys_1w_bf16_over_sentence_transformers", "1w_bf16", "st"),
+          ("clsys_2w_bf16_logging_every_step_over_every_5", "2w_bf16_log1", "2w_bf16")]
 
 
 def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int, out: str,
               length_group: int = 0, packed: bool = True, precision: str = "fp32",
-              profile: bool = False) -> tuple[float, dict]:
-    """Seconds per step of a clsys run: the mean of its logged intervals (``warmup`` steps each) after the
-    first; and with ``profile``, its seconds per step by phase (means of the same intervals)."""
-    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}-{precision}"
+              profile: bool = False, log_every: int = 0) -> tuple[float, dict]:
+    """Seconds per step of a clsys run: the mean of its logged intervals (every ``log_every`` steps,
+    default ``warmup``) after the first ``warmup`` steps; and with ``profile``, its seconds per step by
+    phase (means of the same intervals)."""
+    log_every = log_every or warmup
+    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}-{precision}-log{log_every}"
     subprocess.run([sys.executable, "-m", "clsys.pretrain", "--config", "quickstart", f"data.url={SHARDS}",
                     f"train.run_root={out}", f"train.name={name}", f"train.steps={steps}", f"train.batch_size={batch}",
                     f"data.max_length={max_length}", "optim.lr=3e-5", "optim.warmup_steps=0", "model.dropout=0.1",
-                    f"train.log_every={warmup}", f"train.ckpt_every={steps}", "eval.sts_dev=", "eval.sts_test=",
+                    f"train.log_every={log_every}", f"train.ckpt_every={steps}", "eval.sts_dev=", "eval.sts_test=",
                     f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={max(1, (os.cpu_count() or 2) // workers)}",
                     f"data.length_group_batches={length_group}", f"model.packed={str(packed).lower()}",
                     f"train.precision={precision}",
                     f"train.profile={str(profile).lower()}"],
                    cwd=REPO, check=True)
     run = os.path.join(out, name)
-    split = {tag[len("perf/time_"):-2]: logged_mean(run, tag, skip=1) for tag in PHASE_TAGS} if profile else {}
-    return step_time(run, skip=1), split
+    skip = max(1, warmup // log_every)
+    split = {tag[len("perf/time_"):-2]: logged_mean(run, tag, skip=skip) for tag in PHASE_TAGS} if profile else {}
+    return step_time(run, skip=skip), split
 
 
 def main() -> None:
@@ -157,7 +163,8 @@ def main() -> None:
               "1w_padded": "clsys, 1 worker, padded (packed=false)",
               "1w_grouped": f"clsys, 1 worker, length-grouped (K={k})",
               "bare_bf16": "bare PyTorch loop, bf16 autocast", "1w_bf16": "clsys, 1 worker, bf16 (precision=auto)",
-              "2w_bf16": "clsys, 2 workers, bf16 (precision=auto)"}
+              "2w_bf16": "clsys, 2 workers, bf16 (precision=auto)",
+              "2w_bf16_log1": "clsys, 2 workers, bf16, logging every step"}
     bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
     per_step = {"bare": bare_seconds / timed}
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +180,8 @@ def main() -> None:
         per_step["bare_bf16"] = bare_loop(sentences, total, args.batch, args.max_length, args.warmup,
                                           bf16=True)[0] / timed
         clsys_rows.update({f"{w}w_bf16": dict(same, workers=w, precision="auto") for w in (1, 2)})
+        # Logging every step must cost nothing either (it once waited on Ray's report queue: ~2 s a step).
+        clsys_rows["2w_bf16_log1"] = dict(same, workers=2, precision="auto", log_every=1)
     splits = {}
     for way, run_args in clsys_rows.items():
         per_step[way], splits[way] = clsys_run(**run_args, profile=args.profile)

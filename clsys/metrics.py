@@ -29,7 +29,7 @@ class Throughput:
 
     def rates(self, phases: bool = False) -> dict[str, float]:
         """Rates since the last call; with ``phases``, also seconds per step by phase, and ``other``: the
-        rest of the interval (metrics, logging, Ray's report, evaluation, checkpoints)."""
+        rest of the interval (metrics, logging, evaluation, checkpoints)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         steps = max(self.steps, 1)
         out = {"samples_per_s": self.samples / elapsed, "tokens_per_s": float(self.tokens) / elapsed,

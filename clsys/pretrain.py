@@ -84,10 +84,6 @@ def init_ray(cfg: Config) -> None:
         env.setdefault("DS_ACCELERATOR", "cpu")
     # Ray Train routes workers' print() through its logger, which reaches the console twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    # ray.train.report is a barrier across ranks too (Ray's own, not gloo's) with no timeout by
-    # default: a rank stopped while its peers wait there would hang them until Ray's 10-minute health
-    # check. The watchdog's timeout applies to it as well.
-    env["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(cfg.cluster.collective_timeout_s)
     # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}

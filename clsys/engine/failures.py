@@ -21,13 +21,9 @@ class FailureReport(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         for rank, error in sorted(worker_exceptions.items()):
-            # A user-code error arrives wrapped with its traceback as its text (Ray Train's
-            # UserExceptionWithTraceback, which keeps the exception itself in _base_exc), and an
-            # error raised inside a Ray actor the worker called (ray.train.report's barrier) is
-            # wrapped again in a RayTaskError, which keeps it in .cause. Name the innermost one.
+            # A worker's error arrives wrapped with its traceback as its text (Ray Train's
+            # UserExceptionWithTraceback, which keeps the exception itself in _base_exc): name that one.
             cause = getattr(error, "_base_exc", error)
-            while isinstance(getattr(cause, "cause", None), BaseException):
-                cause = cause.cause
             lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
             line = f"[clsys] rank {rank} failed: {type(cause).__name__}: {lines[0] if lines else ''}"
             if line not in self.reported:

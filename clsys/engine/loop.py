@@ -103,8 +103,6 @@ def _dev_set(cfg: Config):
 
 
 def train_worker(payload: dict) -> None:
-    import ray.train
-
     cfg = config_from_dict(payload["config"])
     # Before the process group exists: DeepSpeed's backend keeps references to some collectives it finds then.
     clock = StepClock(torch.device("cuda" if cfg.cluster.use_gpu else "cpu"), cfg.train.profile)
@@ -243,7 +241,9 @@ def train_worker(payload: dict) -> None:
             if rank == 0:
                 print(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
                       f"{rates['samples_per_s']:.1f} samples/s", flush=True)
-            ray.train.report({"step": step, **values})
+            # No ray.train.report: nothing reads Ray's copy of the metrics (TensorBoard and the console
+            # have them), and each report is a barrier across ranks plus a one-slot queue the controller
+            # empties every 2 s: logging more often than that blocked every rank for up to 2 s a report.
 
         new_best = False
         if evaluating and (step % cfg.eval.every == 0 or step == cfg.train.steps):

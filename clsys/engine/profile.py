@@ -3,7 +3,7 @@
 The loop marks the end of each phase of a micro-step: waiting for the loader, the forward and
 backward passes, the optimizer step. Collectives (the gradient reduction of ZeRO, the embedding
 gathers of in-batch negatives) are timed one by one and counted as ``communication``, not in the
-phase they ran in. What is left of a logging interval (metrics, TensorBoard, Ray's report,
+phase they ran in. What is left of a logging interval (metrics, TensorBoard,
 evaluation, checkpoints) is ``other`` (``clsys.metrics.Throughput``).
 
 On a GPU every mark and every collective first synchronises the device, so each phase is charged
