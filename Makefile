@@ -35,12 +35,10 @@ quickstart: install
 	$(PY) -m clsys.pretrain
 
 # The docs first: fast, and a broken link, a page left out of the nav or a config field without a
-# meaning (docs/hooks/config_reference.py) fails early. Two pytest workers: the tests that start Ray
-# run one at a time in one of them (the suite's critical path), everything else in the other; more
-# workers would not shorten that path (tests/conftest.py).
+# meaning (docs/hooks/config_reference.py) fails early.
 test: install-test
 	$(PY) -m mkdocs build --strict --quiet --site-dir site
-	$(PY) -m pytest -q -ra -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -ra tests
 
 docs: install-test
 	$(PY) -m mkdocs build --strict --site-dir site

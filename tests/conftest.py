@@ -20,16 +20,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from clsys.pretrain import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs 2 workers), the tests that start Ray (marked ``slow``) run one
-    after another in one worker, the rest beside them in the other: Ray's state on a machine is shared
-    (/tmp/ray, `ray stop`, the SLURM and local-cluster scripts), and those tests leave a core idle
-    about a third of the time (Ray start-up, restarts, timeouts), which the other tests fill."""
-    for item in items:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-
-
 @contextlib.contextmanager
 def environ_set(env: dict[str, str]):
     """This process's environment with ``env`` set (so also every subprocess a test starts), restored after."""
