@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from clsys.engine.preemption import EXIT_PREEMPTED, stop_marker
 
@@ -49,5 +50,5 @@ def test_repeated_stop_notices_never_kill_the_driver(tmp_path):
         _, err = driver.communicate()
         assert driver.returncode == EXIT_PREEMPTED, (attempt, driver.returncode, sent, err)
         assert err.count("[clsys] SIGUSR1: asking the workers to checkpoint and stop") == 1, err
-        assert open(stop_marker(run).removeprefix("file://")).read() == "SIGUSR1"
+        assert Path(stop_marker(run).removeprefix("file://")).read_text() == "SIGUSR1"
         assert sent > 10, sent  # the flood really overlapped the shutdown
