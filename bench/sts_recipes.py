@@ -234,8 +234,12 @@ def main() -> None:
         print(f"{name:<56} {mean_std(scores):>14} {' '.join(f'{x:.2f}' for x in scores):>24} "
               f"{statistics.mean(r[1] for r in results):>7.2f}")
     if args.steps:
-        simcse, st = (statistics.mean(r[0] for r in arms[k]) for k in (SIMCSE_ARM, ST_ARM))
-        print(f"difference clsys_simcse_minus_sentence_transformers {simcse - st:+.2f}")
+        # Seed by seed the arms share their batches, so the per-seed difference is the paired measurement;
+        # its standard error says how far apart two equal systems land over this many seeds.
+        differences = [a[0] - b[0] for a, b in zip(arms[SIMCSE_ARM], arms[ST_ARM])]
+        error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+        print(f"difference clsys_simcse_minus_sentence_transformers {statistics.mean(differences):+.2f} "
+              f"(standard error {error:.2f}; per seed {' '.join(f'{d:+.2f}' for d in differences)})")
 
 
 if __name__ == "__main__":

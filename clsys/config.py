@@ -104,6 +104,10 @@ class ClusterConfig:
     cpus_per_worker: int = 1  # CPUs reserved per worker
     max_restarts: int = 0  # worker-group restarts after a failure (Ray FailureConfig)
     collective_timeout_s: int = 1800  # a collective waiting longer (a stuck or lost rank) fails the step
+    # A failed worker group's time to close its process group before its workers are killed and the
+    # restart begins (Ray's TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, whose own default of 30 s a stuck
+    # rank always uses up: it never answers).
+    group_shutdown_timeout_s: int = 5
     stop_poll_s: float = 5.0  # how often rank 0 looks for a stop request (<run>/STOP, written on SIGUSR1/SIGTERM)
 
 
@@ -192,6 +196,7 @@ class Config:
             ("objective.grad_cache.chunk_size", self.objective.grad_cache.chunk_size >= 0, ">= 0 (0 = off)"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
+            ("cluster.group_shutdown_timeout_s", self.cluster.group_shutdown_timeout_s > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),

@@ -84,6 +84,10 @@ def init_ray(cfg: Config) -> None:
         env.setdefault("DS_ACCELERATOR", "cpu")
     # Ray Train routes workers' print() through its logger, which reaches the console twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # Read by Ray Train's controller when a failed worker group shuts down: how long its process group
+    # gets to close before the workers are killed. A stuck rank never closes it, so every restart after
+    # one waited Ray's whole default (30 s) for nothing.
+    env["TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"] = str(cfg.cluster.group_shutdown_timeout_s)
     # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}

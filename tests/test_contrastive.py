@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from clsys.objectives.contrastive import alignment_uniformity, info_nce
+from clsys.objectives.contrastive import alignment_uniformity, cosine_logits, info_nce
 from conftest import free_port
 
 
@@ -35,6 +35,23 @@ def test_info_nce_matches_naive_reference(with_negatives, alpha):
     got = info_nce(a, p, 0.05, n if with_negatives else None, alpha)
     want = naive_info_nce(a, p, 0.05, n if with_negatives else None, alpha)
     assert got.item() == pytest.approx(want, rel=1e-10)
+
+
+def test_logits_and_loss_in_float32_under_bf16_autocast():
+    # bf16 embeddings (what an encoder under autocast returns): the logits are computed from them in
+    # float32, autocast notwithstanding, so they match a float64 reference on the same values to float32's
+    # precision; a bf16 product would be off by up to ~0.04 at τ 0.05. The gradient reaches the bf16 input.
+    g = torch.Generator().manual_seed(3)
+    a, p = (torch.randn(16, 64, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = cosine_logits(a, p, 0.05)
+        loss = info_nce(a, p, 0.05)
+    assert logits.dtype == loss.dtype == torch.float32
+    want = cosine_logits(a.detach().double(), p.detach().double(), 0.05)
+    assert (logits.double() - want).abs().max().item() < 1e-4
+    assert loss.item() == pytest.approx(naive_info_nce(a.detach().double(), p.detach().double(), 0.05), rel=1e-5)
+    loss.backward()
+    assert a.grad.dtype == torch.bfloat16 and a.grad.abs().sum() > 0
 
 
 def test_alignment_uniformity_matches_definition():

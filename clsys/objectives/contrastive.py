@@ -54,8 +54,18 @@ def gather_with_grad(local: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def cosine_logits(anchors: torch.Tensor, candidates: torch.Tensor, temperature: float) -> torch.Tensor:
-    """cos(anchor_i, candidate_j) / τ for every pair: [n_anchors, n_candidates]."""
-    return F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T / temperature
+    """cos(anchor_i, candidate_j) / τ for every pair: [..., n_anchors, n_candidates] (leading dims batched).
+
+    Always in float32 at least, autocast off. Under bf16 autocast the product would come out in bf16,
+    whose 8-bit mantissa rounds a cosine near 0.9 by up to 0.002, i.e. a logit by up to 0.04 at τ 0.05:
+    noise of the size of the margins the loss learns from. The product is tiny next to the encoder, so
+    float32 costs nothing measurable; gradients flow back into the encoder's dtype through the cast.
+    """
+    dtype = torch.promote_types(anchors.dtype, torch.float32)
+    with torch.autocast(anchors.device.type, enabled=False):
+        anchors = F.normalize(anchors.to(dtype), dim=-1)
+        candidates = F.normalize(candidates.to(dtype), dim=-1)
+        return anchors @ candidates.transpose(-1, -2) / temperature
 
 
 def info_nce(anchors: torch.Tensor, positives: torch.Tensor, temperature: float,

@@ -30,6 +30,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining, build_masked_lm
 from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.contrastive import cosine_logits
 
 
 @dataclass
@@ -85,7 +86,7 @@ def token_contrastive_loss(student: torch.Tensor, teacher: torch.Tensor, chosen:
     ``student``/``teacher``: [B, L, d]; ``chosen``: [B, L] anchors; ``candidates``: [B, L] columns
     allowed in each row's softmax. Returns (loss, accuracy of picking position i).
     """
-    sims = F.normalize(student, dim=-1) @ F.normalize(teacher, dim=-1).transpose(1, 2) / temperature
+    sims = cosine_logits(student, teacher, temperature)  # [B, L, L]
     rows, positions = chosen.nonzero(as_tuple=True)
     logits = sims[rows, positions].masked_fill(~candidates[rows], float("-inf"))
     loss = F.cross_entropy(logits, positions)
