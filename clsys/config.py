@@ -171,6 +171,11 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_yaml(self) -> str:
+        """The config as a recipe: ``load_config`` reads it back to an equal config."""
+        plain = json.loads(json.dumps(self.to_dict()))  # tuples as lists: YAML's safe dumper has no tuples
+        return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
+
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 

@@ -1,7 +1,10 @@
-"""``python -m clsys.pretrain [--config RECIPE] [--resume latest|URL] [key=value ...]``
+"""``python -m clsys.pretrain [--config RECIPE] [--resume latest|URL] [--print-config] [key=value ...]``
 
-With no arguments this is the quickstart recipe. The driver resolves the config, checks the
-data and the run folder, then runs Ray Train workers (``clsys.engine.loop.train_worker``): it
+With no arguments this is the quickstart recipe. Overrides are ``section.key=value``, also written
+``--section.key=value`` or ``--section.key value``; ``--help`` lists the bundled recipes and every key
+with its default and meaning, ``--print-config`` prints the resolved config and exits. The driver
+resolves the config, checks the data and the run folder, writes the resolved config to
+``<run>/config.yaml`` (a recipe: ``--config`` takes it back), then runs Ray Train workers (``clsys.engine.loop.train_worker``): it
 joins the Ray cluster named by ``RAY_ADDRESS`` (as under ``ray job submit``) and otherwise starts
 a local one in-process. After training it exports the final encoder and, when ``eval.sts_test``
 is set, prints the STS scores of the base model and the trained one side by side.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -202,6 +206,8 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
                 raise ConfigError(f"{run} already exists: pass --resume latest to continue it (complete stages "
                                   f"are kept), or choose another train.name")
             runs.append((seeded, run))
+        for seeded, run in runs:
+            save_config(seeded, run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -254,14 +260,58 @@ def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
     return rows
 
 
+class _Parser(argparse.ArgumentParser):
+    def format_help(self) -> str:
+        # The keys come from the config dataclasses (importing every objective): read only when asked for.
+        from clsys.config_keys import help_text
+
+        return f"{super().format_help()}\n{help_text()}\n"
+
+
+DOTTED_OPTION = re.compile(r"--([a-z_]+(?:\.[a-z_0-9]+)+)(=.*)?", re.S)
+
+
+def dotted_options_as_overrides(argv: list[str]) -> list[str]:
+    """``--section.key=value`` and ``--section.key value`` (how torchtitan, tyro and HF users write them)
+    as the ``section.key=value`` overrides they mean; every other argument unchanged."""
+    out, i = [], 0
+    while i < len(argv):
+        match = DOTTED_OPTION.fullmatch(argv[i])
+        if match and match.group(2):
+            out.append(argv[i][2:])
+        elif match and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{match.group(1)}={argv[i + 1]}")
+            i += 1
+        elif match:
+            raise ConfigError(f"{argv[i]}: no value (write {argv[i]}=VALUE)")
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def save_config(cfg: Config, run: str) -> None:
+    """The resolved config, as a recipe, at ``<run>/config.yaml``: what this start of the run uses."""
+    storage.write_bytes(storage.join(run, "config.yaml"), cfg.to_yaml().encode())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clsys.pretrain", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m clsys.pretrain", description="Train a text encoder with a bundled or own "
+                     "recipe on Ray Train + DeepSpeed (no arguments: the quickstart).",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="quickstart", help="recipe file or bundled recipe name (default: quickstart)")
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint URL (same as train.resume=...)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="css_lm: run this many seeds (train.seed, +1, ...) and report mean ± std")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards")
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (a recipe, YAML) and exit without training")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards "
+                        "(or --train.steps=50)")
+    try:
+        args = parser.parse_args(dotted_options_as_overrides(sys.argv[1:] if argv is None else list(argv)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
     # agent unpacks the working dir into the same shared folder, replacing the one this process is in
     # (from ray.init on): note it while it exists, and come back to it (re-created) after training.
@@ -276,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg.train.run_root = os.path.abspath(cfg.train.run_root)
         if args.repeats < 1 or (args.repeats > 1 and cfg.objective.name != "css_lm"):
             raise ConfigError("--repeats: a number >= 1, and above 1 only for the css_lm recipe")
+        if args.print_config:
+            print(cfg.to_yaml(), end="")
+            return 0
         if cfg.objective.name == "css_lm":
             return run_css_lm(cfg, args.repeats)
         run = run_url(cfg)
@@ -283,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = resolve_resume(cfg, run)
         stream = check_data(cfg)
         clear_stop_marker(run)
+        save_config(cfg, run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""docs/hooks/config_reference.py: the configuration reference generated from the config dataclasses
-(the docs build itself, `mkdocs build --strict`, runs first in `make test`)."""
+"""clsys/config_keys.py (every key with its type, default and meaning, from the config dataclasses) and
+docs/hooks/config_reference.py, the configuration reference generated from it (the docs build itself,
+`mkdocs build --strict`, runs first in `make test`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from clsys import config_keys
 
 HOOK = Path(__file__).resolve().parents[1] / "docs" / "hooks" / "config_reference.py"
 
@@ -55,30 +58,31 @@ def test_every_key_with_type_default_and_meaning(gen):
     assert "sg \\| opt1 \\| opt2 \\| sg_opt" in text  # a pipe in a comment does not split the row
 
 
-def test_meanings_from_trailing_and_leading_comments_nested_keys(gen):
-    rows = {r.key: r for r in gen.walk(_Documented(), "demo")}
+def test_meanings_from_trailing_and_leading_comments_nested_keys():
+    rows = {r.key: r for r in config_keys.walk(_Documented(), "demo")}
     assert list(rows) == ["demo.name", "demo.ratio", "demo.pairs", "demo.group.size"]
     assert rows["demo.name"].meaning == "the name"
     assert rows["demo.ratio"].meaning == "a meaning written above the field"
     assert rows["demo.group.size"].meaning == "rows per chunk"
-    assert gen.yaml_value(rows["demo.ratio"].default) == "3e-5"
-    assert gen.yaml_value(rows["demo.pairs"].default) == "[en-de]"
+    assert config_keys.yaml_value(rows["demo.ratio"].default) == "3e-5"
+    assert config_keys.yaml_value(rows["demo.pairs"].default) == "[en-de]"
 
 
-def test_a_field_without_meaning_fails_naming_it(gen):
-    with pytest.raises(gen.ConfigReferenceError, match=r"'demo\.steps' \(_Undocumented\.steps, .*test_docs_config_reference\.py:\d+\)"):
-        gen.walk(_Undocumented(), "demo")
+def test_a_field_without_meaning_fails_naming_it():
+    with pytest.raises(config_keys.ConfigKeyError,
+                       match=r"'demo\.steps' \(_Undocumented\.steps, .*test_docs_config_reference\.py:\d+\)"):
+        config_keys.walk(_Undocumented(), "demo")
 
 
 def test_notes_and_key_tables_name_only_real_keys(gen):
     page = "# Reference\n\n<!-- config-notes\ntrain.steps: more on steps\n-->\n\n<!-- config-reference -->\n"
     out = gen.expand(page)
     assert "config-notes" not in out and "| optimizer steps<br>more on steps |" in out
-    with pytest.raises(gen.ConfigReferenceError, match="train.stepz"):
+    with pytest.raises(gen.ConfigKeyError, match="train.stepz"):
         gen.expand(page.replace("train.steps:", "train.stepz:"))
     table = "| key | default | meaning |\n|---|---|---|\n| `objective.pairs`, `task.dev` | x | y |\n"
     gen.check_key_tables(table, "page.md")  # objective.* keys: of any objective
-    with pytest.raises(gen.ConfigReferenceError, match=r"page\.md:4: 'objective\.pair' "):
+    with pytest.raises(gen.ConfigKeyError, match=r"page\.md:4: 'objective\.pair' "):
         gen.check_key_tables(table + "| `objective.pair` | x | y |\n", "page.md")
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from clsys import storage
+from clsys.config import load_config
 from clsys.engine.checkpoint import complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +71,10 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     assert first.returncode == 0
     run_url = f"{runs}/s3run"
     assert [step for step, _ in complete_checkpoints(run_url)] == [2, 4]
+    # The resolved config, written at the start, is a recipe that gives back the run's config.
+    (tmp_path / "config.yaml").write_bytes(storage.read_bytes(f"{run_url}/config.yaml"))
+    saved = load_config(str(tmp_path / "config.yaml"))
+    assert saved == load_config("quickstart", [*common[2:], "train.steps=4", "train.profile=true"])
 
     events = tmp_path / "events"
     storage.download_dir(f"{run_url}/tensorboard", str(events))
@@ -91,6 +97,8 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     assert again.returncode == 2 and "--resume latest" in again.stderr
     resumed = run("-m", "clsys.pretrain", *common, "train.steps=6", "train.keep_checkpoints=1", "--resume", "latest")
     assert resumed.returncode == 0
+    restarted = yaml.safe_load(storage.read_bytes(f"{run_url}/config.yaml"))  # this start's config
+    assert (restarted["train"]["steps"], restarted["train"]["resume"]) == (6, "latest")
     assert "step-00000004 at step 4" in resumed.stdout + resumed.stderr
 
     # eval.select (default: the dev STS Spearman, max): best.json names the first step with the highest
