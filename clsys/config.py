@@ -156,6 +156,26 @@ class CorpusConfig:
     min_tokens: int = 15  # tokens (without special tokens) a sentence needs to enter the bank
 
 
+# DeepSpeed config keys that clsys derives from its own settings, and the setting that decides each. A
+# `deepspeed:` section may set anything else: offload, communication, activation checkpointing, ...
+DEEPSPEED_DERIVED = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.batch_size (divided by cluster.num_workers × train.grad_accum)",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "optim.grad_clip",
+    "zero_optimization.stage": "train.zero_stage",
+    "torch_autocast": "train.precision",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "optimizer": "optim.* (clsys builds torch's AdamW with its parameter groups)",
+    "scheduler": "optim.schedule and optim.warmup_steps",
+    "checkpoint.load_universal": "clsys itself (a resume on another number of ranks)",
+}
+# Top-level sections that are free-form mappings (no dataclass, so no types to coerce an override to:
+# its value is read as YAML).
+FREE_FORM = ("deepspeed",)
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -167,6 +187,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    # Merged over the DeepSpeed config clsys generates (clsys.engine.deepspeed.ds_config), e.g.
+    # zero_optimization.offload_optimizer or communication_data_type; keys clsys derives are refused.
+    deepspeed: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -215,6 +238,12 @@ class Config:
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"{key}: expected {expected}")
+        for derived, owner in DEEPSPEED_DERIVED.items():
+            node = self.deepspeed
+            for part in derived.split("."):
+                node = node.get(part, dataclasses.MISSING) if isinstance(node, dict) else dataclasses.MISSING
+            if node is not dataclasses.MISSING:
+                raise ConfigError(f"deepspeed.{derived}: clsys sets it from {owner}; set that instead")
 
     @property
     def micro_batch(self) -> int:
@@ -276,6 +305,9 @@ def _coerce(key: str, value, tp):
 def _set(cfg: Config, dotted: str, value) -> None:
     """Set ``section.key`` (or ``section.group.key`` for a nested group such as objective.grad_cache)."""
     *path, name = dotted.split(".")
+    if path and path[0] in FREE_FORM:
+        _set_mapping(getattr(cfg, path[0]), path[1:] + [name], value, dotted)
+        return
     if not path or not name or not path[0]:
         sections = ", ".join(f.name for f in dataclasses.fields(Config))
         raise ConfigError(f"unknown config key '{dotted}' (sections: {sections})")
@@ -297,6 +329,25 @@ def _set(cfg: Config, dotted: str, value) -> None:
             _set(cfg, f"{dotted}.{key}", item)
         return
     setattr(node, name, _coerce(dotted, value, hints[name]))
+
+
+def _set_mapping(mapping: dict, keys: list[str], value, dotted: str) -> None:
+    """Set ``keys[-1]`` under the nested mappings ``keys[:-1]`` of a free-form section; a mapping value
+    merges into what is there."""
+    for key in keys[:-1]:
+        mapping = mapping.setdefault(key, {})
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"{dotted}: '{key}' is already set to a value, not a mapping")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _set_mapping(mapping, [keys[-1], str(key)], item, f"{dotted}.{key}")
+    elif isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value):
+        mapping[keys[-1]] = float(value)  # 5e8: a number in JSON and YAML 1.2, a string to PyYAML (YAML 1.1)
+    else:
+        mapping[keys[-1]] = value
+
+
+EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
 def resolve_recipe(path: str) -> Path:
@@ -350,8 +401,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        # The raw string: _coerce parses it for the key's type (YAML would read 24:48 as the number 1488).
-        items.append((key.strip(), value.strip(), "override: "))
+        key, value = key.strip(), value.strip()
+        if key.split(".")[0] in FREE_FORM:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ConfigError(f"override: {key}: not a YAML value ({err})") from None
+        # Else the raw string: _coerce parses it for the key's type (YAML would read 24:48 as the number 1488).
+        items.append((key, value, "override: "))
     return _build(items)
 
 

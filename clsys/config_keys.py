@@ -150,8 +150,14 @@ def sections() -> list[Section]:
     defaults = Config()
     out = []
     for f in dataclasses.fields(Config):
+        section = getattr(defaults, f.name)
+        if not dataclasses.is_dataclass(section):  # a free-form mapping (deepspeed): one row for the whole
+            recipe = getattr(quickstart, f.name)
+            out.append(Section(f.name, None, Config, [Row(f"{f.name}.*", _type_name(f.type) if not isinstance(
+                f.type, str) else f.type, section, recipe if recipe != section else dataclasses.MISSING,
+                meaning(Config, f.name, f.name))]))
+            continue
         if f.name != "objective":
-            section = getattr(defaults, f.name)
             out.append(Section(f.name, None, type(section), walk(section, f.name, getattr(quickstart, f.name))))
             continue
         out.append(Section("objective", None, ObjectiveConfig, walk(ObjectiveConfig(), "objective", quickstart.objective)))

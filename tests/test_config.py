@@ -19,6 +19,30 @@ def test_bundled_recipes_load_and_round_trip(recipe, tmp_path):
     assert load_config(str(saved)) == cfg
 
 
+def test_deepspeed_section_merges_and_refuses_what_clsys_derives(tmp_path):
+    from clsys.config import DEEPSPEED_DERIVED
+    from clsys.engine.deepspeed import ds_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("deepspeed:\n  zero_optimization:\n    offload_optimizer: {device: cpu}\n"
+                      "    reduce_bucket_size: 1000000\n    allgather_bucket_size: 5e8\n")
+    cfg = load_config(str(recipe), ["deepspeed.zero_optimization.reduce_bucket_size=2e6",
+                                    "deepspeed.wall_clock_breakdown=true", "train.zero_stage=3"])
+    generated = ds_config(cfg)
+    # Merged key by key: the recipe's offload, the override's bucket size (read as YAML: a number), clsys's stage.
+    assert generated["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                              "reduce_bucket_size": 2e6, "allgather_bucket_size": 5e8}
+    assert generated["wall_clock_breakdown"] is True and generated["train_batch_size"] == cfg.train.batch_size
+    assert config_from_dict(cfg.to_dict()) == cfg  # what the workers and checkpoints receive
+    (tmp_path / "saved.yaml").write_text(cfg.to_yaml())
+    assert load_config(str(tmp_path / "saved.yaml")) == cfg
+    for derived, owner in DEEPSPEED_DERIVED.items():
+        with pytest.raises(ConfigError, match=re.escape(f"deepspeed.{derived}: clsys sets it from {owner}")):
+            load_config(None, [f"deepspeed.{derived}=1"])
+    with pytest.raises(ConfigError, match="deepspeed.zero_optimization.stage: clsys sets it from train.zero_stage"):
+        load_config(None, ["deepspeed.zero_optimization={stage: 3}"])
+
+
 def test_help_lists_the_recipes_and_every_key_with_default_and_meaning(capsys):
     from clsys.config_keys import known_keys
     from clsys.pretrain import main

@@ -59,6 +59,8 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
                hidden_dtypes={str(d) for d in hidden_dtypes},
                changed=sum(not torch.equal(before[k], after[k]) for k in before),
                compiled=getattr(objective.model, "_compiled_call_impl", None) is not None,
+               zero_stage=engine.zero_optimization_stage(), reduce_bucket_size=engine.zero_reduce_bucket_size(),
+               allgather_bucket_size=engine.zero_allgather_bucket_size(),
                weights={k: v for k, v in after.items() if k.endswith("query.weight")})
 
 
@@ -94,6 +96,16 @@ def test_precision_modes(tiny, fp32_step, precision, params, compute):
     assert out["norm_dtype"] == "torch.float32" and 0 < out["grad_norm"] < float("inf")
     # The same function in lower precision: the first loss within bf16's rounding of the fp32 one.
     torch.testing.assert_close(out["losses"][0], fp32_step["losses"][0], rtol=2e-2, atol=0)
+
+
+def test_deepspeed_section_reaches_the_engine(tiny, fp32_step):
+    # A recipe's `deepspeed:` keys, merged over clsys's own: the real engine runs with them, and with
+    # clsys's stage; the step itself is the same function (its buckets only group the communication).
+    out = run_step(tiny, "train.precision=fp32", "deepspeed.zero_optimization.reduce_bucket_size=12345",
+                   "deepspeed.zero_optimization.allgather_bucket_size=23456")
+    assert (out["zero_stage"], out["reduce_bucket_size"], out["allgather_bucket_size"]) == (2, 12345, 23456)
+    assert (fp32_step["reduce_bucket_size"], fp32_step["allgather_bucket_size"]) != (12345, 23456)
+    torch.testing.assert_close(out["losses"], fp32_step["losses"], rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_step_matches_the_eager_step(tiny, fp32_step):

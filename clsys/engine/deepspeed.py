@@ -60,9 +60,19 @@ def step_precision(cfg: Config) -> str:
     return "bf16" if bf16_matmul_units(cfg.cluster.use_gpu) else "fp32"
 
 
+def merged(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` merged in, mappings key by key at every depth."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def ds_config(cfg: Config, load_universal: bool = False) -> dict:
+    """The DeepSpeed config for ``cfg``, with the user's ``deepspeed:`` section merged over it (the keys
+    clsys derives itself, ``clsys.config.DEEPSPEED_DERIVED``, were refused when the config was read)."""
     t, precision = cfg.train, step_precision(cfg)
-    return {
+    return merged({
         # Resuming on another rank count reads a universal checkpoint (clsys.engine.checkpoint).
         "checkpoint": {"load_universal": load_universal},
         "train_batch_size": t.batch_size,
@@ -76,7 +86,7 @@ def ds_config(cfg: Config, load_universal: bool = False) -> dict:
         # Our optimizer is torch's fused AdamW (DeepSpeed's fused Adam needs a CUDA build).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
-    }
+    }, cfg.deepspeed)
 
 
 def lr_lambda(cfg: Config):
