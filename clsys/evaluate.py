@@ -15,7 +15,7 @@ is reported as SimCSE does (clsys.sts_data).
 
 CLI:
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --sts stsb-en-test,korsts-test --pooling cls,mean
-    python -m clsys.evaluate --model runs/quickstart/export --sts path/to/senteval/downstream --pooling cls
+    python -m clsys.evaluate --model runs/quickstart/export --sts path/to/senteval/downstream  # its own pooling
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --xling en-de de-en --articles 24:48 \
         --tatoeba deu-eng --pooling mean
 """
@@ -100,6 +100,22 @@ EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], list[Any]], Cal
 }
 
 
+def folder_pooling(model_dir: str) -> str | None:
+    """The pooling a sentence-transformers folder (a clsys export among them) declares in
+    ``1_Pooling/config.json``, when it is one of ``POOLINGS`` and nothing but Normalize follows it
+    (cosine ignores the norm); else None."""
+    path = Path(model_dir)
+    try:
+        config = json.loads((path / "1_Pooling" / "config.json").read_text())
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    after = [m["type"].rsplit(".", 1)[-1] for m in modules[2:]]
+    modes = [mode for mode in POOLINGS if config.get(f"pooling_mode_{mode}_token" if mode == "cls"
+                                                      else f"pooling_mode_{mode}_tokens")]
+    return modes[0] if len(modes) == 1 and set(after) <= {"Normalize"} else None
+
+
 def default_max_length(model_dir: str, model: nn.Module) -> int:
     """The model's own sentence-transformers ``max_seq_length`` if it has one, else its position limit."""
     st_config = Path(model_dir) / "sentence_bert_config.json"
@@ -168,7 +184,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     p.add_argument("--rerank-top", type=int, default=20, help="bi-encoder top paragraphs to re-rank (default 20)")
     p.add_argument("--tatoeba", nargs="+", default=[], metavar="XXX-eng",
                    help="Tatoeba bitext retrieval: bundled pairs (deu-eng, ...) or path prefixes DIR/tatoeba.xxx-eng")
-    p.add_argument("--pooling", required=True, help=f"comma list of {', '.join(POOLINGS)}")
+    p.add_argument("--pooling", default=None,
+                   help=f"comma list of {', '.join(POOLINGS)} (default: the pooling the model folder's "
+                        "1_Pooling/config.json declares, as a clsys export's does)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per sentence; default: the model's sentence_bert_config.json, else 512")
@@ -178,6 +196,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
 
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
+    if args.pooling is None:
+        args.pooling = folder_pooling(resolve_model_path(args.model))
+        if args.pooling is None:
+            parser.error(f"--pooling: '{args.model}' declares no pooling to take (1_Pooling/config.json with "
+                         f"one of {', '.join(POOLINGS)}, only Normalize after it): give --pooling")
+        print(f"pooling {args.pooling} (the model's 1_Pooling/config.json)")
     poolings = _split(args.pooling)
     bad = [x for x in poolings if x not in POOLINGS]
     if bad or not poolings:

@@ -1,8 +1,10 @@
 """``python -m clsys.export --checkpoint URL --out DIR``: a training checkpoint → a model folder.
 
-The folder loads with ``transformers.AutoModel.from_pretrained`` and with
-``sentence_transformers.SentenceTransformer`` (modules.json + the pooling the objective uses at
-inference). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds full fp32 weights
+The folder loads with ``transformers.AutoModel.from_pretrained`` (BERT-like models with their pooler:
+the trained head where the objective exports one into it, else the base model's, untouched by
+training) and with ``sentence_transformers.SentenceTransformer`` (modules.json,
+config_sentence_transformers.json, the pooling the objective uses at inference); its README.md is a
+model card (``clsys.model_card``). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds full fp32 weights
 from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
 run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
 The choice is printed and recorded in the folder's ``clsys_export.json``.
@@ -21,7 +23,9 @@ import torch
 from clsys import storage
 from clsys.engine.checkpoint import latest_checkpoint
 from clsys.engine.selection import BEST_RECORD, read_best
-from clsys.model.encoder import encoder_from_config, resolve_model_path, with_global_attention
+from clsys.model_card import write_card
+from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
+                                 with_global_attention)
 
 
 def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str]:
@@ -86,7 +90,10 @@ def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length
     }
     files = {"1_Pooling/config.json": pooling_config,
              "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False,
-                                           **({"model_args": model_args} if model_args else {})}}
+                                           **({"model_args": model_args} if model_args else {})},
+             "config_sentence_transformers.json": {"__version__": _versions(), "model_type": "SentenceTransformer",
+                                                   "prompts": {}, "default_prompt_name": None,
+                                                   "similarity_fn_name": "cosine"}}
     if pooling == "cls_mlp":
         modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
         dense = model.pooler.dense
@@ -109,6 +116,19 @@ def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length
             json.dump(obj, f, indent=2)
 
 
+def _versions() -> dict[str, str]:
+    """The library versions sentence-transformers records in config_sentence_transformers.json."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"pytorch": torch.__version__}
+    for package in ("transformers", "sentence-transformers"):
+        try:
+            out[package.replace("-", "_")] = version(package)
+        except PackageNotFoundError:  # sentence-transformers is not a dependency of clsys
+            pass
+    return out
+
+
 def encoder_weights(state: dict, meta: dict) -> dict:
     """The exported encoder's state dict, from the objective's: the encoder's own weights under
     ``meta["encoder_prefix"]``, plus the heads ``meta["export_head_map"]`` maps into it (e.g. an MLP
@@ -119,10 +139,28 @@ def encoder_weights(state: dict, meta: dict) -> dict:
     return weights
 
 
+def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
+    """``weights`` with a pooler for architectures that have one, and where it comes from. Objectives
+    pool without it (it is not trained) unless they export a head into it; but ``AutoModel`` builds it
+    and would report it missing and initialise it at random on every load. So the base model's pooler
+    goes with the export, or, where the base has none (from scratch, or a model saved without it), a
+    fixed initialisation (seed 0): either way unused by the export's own pooling."""
+    if config.model_type not in POOLER_MODEL_TYPES:
+        return weights, "none (the architecture has no pooler)"
+    if "pooler.dense.weight" in weights:
+        return weights, "trained (the objective's head)"
+    base = pooler_weights(base_model)
+    if base:
+        return {**weights, **base}, f"{base_model}'s, untrained"
+    torch.manual_seed(0)
+    fresh = encoder_from_config(config, with_pooler=True).pooler.state_dict()
+    return {**weights, **{f"pooler.{k}": v for k, v in fresh.items()}}, "initialised (seed 0), untrained"
+
+
 def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
                 source: str) -> None:
-    """Save the encoder (with the pooler when ``pooling`` is ``cls_mlp``), tokenizer and sentence-transformers files."""
-    model = encoder_from_config(config, with_pooler=pooling == "cls_mlp")
+    """Save the encoder (with its pooler: see ``with_pooler``), tokenizer and sentence-transformers files."""
+    model = encoder_from_config(config, with_pooler=config.model_type in POOLER_MODEL_TYPES)
     _save_filled(model, weights, folder, tokenizer_dir, source)
     write_sentence_transformers(folder, pooling, model, max_seq_length)
 
@@ -188,14 +226,17 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         hf_dir = os.path.join(ckpt, "hf")
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
-        weights = encoder_weights(state, meta)
-        write_model(folder, weights, config, hf_dir, meta["export_pooling"],
-                    _max_seq_length(meta["config"]["model"]["name"], config), url)
+        base_model = meta["config"]["model"]["name"]
+        weights, pooler = with_pooler(encoder_weights(state, meta), config,
+                                      base_model if meta["config"]["model"]["init"] == "pretrained" else "")
+        write_model(folder, weights, config, hf_dir, meta["export_pooling"], _max_seq_length(base_model, config), url)
         if meta.get("export_reranker_map"):
             write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
+        record = {"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
+                  "pooling": meta["export_pooling"], "pooler": pooler}
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
-            json.dump({"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
-                       "pooling": meta["export_pooling"]}, f, indent=2)
+            json.dump(record, f, indent=2)
+        write_card(folder, record, meta["config"])
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -238,8 +238,9 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
     return 0
 
 
-def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
-    """STS test scores of the base model and of the exported one, for each requested pooling."""
+def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
+    """STS test scores of the base model and of the exported one, for each requested pooling; printed,
+    and returned with the table's title."""
     from clsys.evaluate import evaluate_sts
     from clsys.model.encoder import load_encoder, load_tokenizer
     from clsys.sts_data import load_sts, resolve_sts
@@ -253,11 +254,12 @@ def compare_on_sts(cfg: Config, exported: str) -> list[dict]:
         for pooling in cfg.eval.test_poolings.split(","):
             scores = evaluate_sts(model, tokenizer, sts, pooling=pooling.strip(), batch_size=cfg.eval.batch_size)
             rows.append({"model": label, "pooling": pooling.strip(), **scores})
-    print(f"\nSTS test: {sts.name} ({len(sts.scores)} pairs), cosine, ×100")
+    title = f"STS test: {sts.name} ({len(sts.scores)} pairs), cosine, ×100"
+    print(f"\n{title}")
     print(f"{'model':<8} {'pooling':<8} {'Spearman':>9} {'Pearson':>9}")
     for r in rows:
         print(f"{r['model']:<8} {r['pooling']:<8} {r['spearman']:>9.2f} {r['pearson']:>9.2f}")
-    return rows
+    return title, rows
 
 
 class _Parser(argparse.ArgumentParser):
@@ -367,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as local:
             if storage.is_s3(exported):
                 storage.download_dir(exported, local)
-            compare_on_sts(cfg, local if storage.is_s3(exported) else storage.parse(exported).path)
+            title, rows = compare_on_sts(cfg, local if storage.is_s3(exported) else storage.parse(exported).path)
+        from clsys.model_card import add_evaluation
+
+        add_evaluation(exported, title, rows)  # the figures travel with the model, in its card
 
     print("\n[clsys] done")
     print(f"  shards:      {stream}")

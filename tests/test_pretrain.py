@@ -124,13 +124,29 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
+    from clsys.model.encoder import pooler_weights
+
+    # The model card, sentence-transformers' own config file, and the base model's (untrained) pooler,
+    # so that AutoModel builds the whole BertModel from the folder instead of initialising a pooler at random.
+    card = (out / "README.md").read_text()
+    assert "library_name: sentence-transformers" in card and "| objective | `simcse` |" in card
+    # The step of the checkpoint, of the steps its run was configured for (the first run 4, the resumed one 6).
+    assert f"| steps | {best_step} of {4 if best_step <= 4 else 6}, global batch 16, max length 32 |" in card
+    assert f"best stsb-en-dev_spearman {best['value']:.2f} at step {best_step}" in card
+    assert json.loads((out / "config_sentence_transformers.json").read_text())["similarity_fn_name"] == "cosine"
+    assert record["pooler"] == "all-MiniLM-L6-v2's, untrained"
     model, tok = AutoModel.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    for name, weight in pooler_weights("all-MiniLM-L6-v2").items():
+        assert torch.equal(model.state_dict()[name], weight), name
     batch = tok(["A cat sits on the mat.", "Stocks fell sharply."], padding=True, return_tensors="pt")
     with torch.no_grad():
         cls = model(**batch).last_hidden_state[:, 0]
     st = SentenceTransformer(str(out), device="cpu")
     torch.testing.assert_close(torch.as_tensor(st.encode(["A cat sits on the mat.", "Stocks fell sharply."])),
                                cls, rtol=1e-4, atol=1e-4)
+    # clsys.evaluate takes the export's pooling from its 1_Pooling/config.json.
+    scored = run("-m", "clsys.evaluate", "--model", str(out), "--sts", "stsb-en-dev")
+    assert scored.returncode == 0 and "pooling cls (the model's 1_Pooling/config.json)" in scored.stdout
 
 
 @pytest.mark.usefixtures("shared_ray")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clsys.config import Config
-from clsys.export import encoder_weights, write_model
+from clsys.export import encoder_weights, with_pooler, write_model
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.simcse import SimCSE, SimCSEConfig
 from test_contrastive import naive_info_nce
@@ -109,16 +109,29 @@ def test_export_cls_mlp_is_hf_pooler_and_sentence_transformers_dense(tiny_model,
     assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"]
 
 
-def test_export_unsupervised_keeps_raw_cls_without_pooler(tiny_model, tmp_path):
+def test_export_unsupervised_keeps_raw_cls_and_the_base_pooler(tiny_model, tmp_path):
+    """The training MLP stays out of the export (raw CLS at inference, §2.9.3); the pooler the folder
+    carries, for AutoModel's sake, is the base model's, untrained."""
     from safetensors.torch import load_file
+
+    from clsys.model.encoder import pooler_weights
 
     objective = make_objective(tiny_model)
     meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
     assert meta["export_head_map"] == {}
-    write_model(str(tmp_path), encoder_weights(objective.state_dict(), meta), objective.model.config,
-                tiny_model, "cls", 32, "test")
-    assert not any(key.startswith("pooler.") for key in load_file(tmp_path / "model.safetensors"))
+    weights, pooler = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, tiny_model)
+    assert pooler == f"{tiny_model}'s, untrained"
+    write_model(str(tmp_path), weights, objective.model.config, tiny_model, "cls", 32, "test")
+    saved, base = load_file(tmp_path / "model.safetensors"), pooler_weights(tiny_model)
+    assert set(base) == {"pooler.dense.weight", "pooler.dense.bias"}
+    assert all(torch.equal(saved[k], v) for k, v in base.items())
+    assert not torch.equal(saved["pooler.dense.weight"], objective.mlp.dense.weight.detach())
     assert not (tmp_path / "2_Dense").exists()
+    # From scratch (no base weights to take): a fixed initialisation, the same on every export.
+    fresh, pooler = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, "")
+    again, _ = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, "")
+    assert pooler == "initialised (seed 0), untrained" and torch.equal(fresh["pooler.dense.weight"],
+                                                                       again["pooler.dense.weight"])
 
 
 def test_training_mlp_is_initialised_like_simcse(tiny_model):

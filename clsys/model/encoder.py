@@ -167,6 +167,21 @@ def build_bert_pretraining(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module, 
     return encoder, model.cls.predictions, nn.Sequential(pooler, model.cls.seq_relationship)
 
 
+def pooler_weights(name: str) -> dict[str, torch.Tensor]:
+    """The pooler (``pooler.dense.weight``/``bias``) saved in model ``name``'s ``model.safetensors``
+    (keys with or without the architecture's prefix, e.g. ``bert.``); empty where there is none or the
+    model cannot be read here."""
+    from safetensors import safe_open
+
+    try:
+        path = os.path.join(resolve_model_path(name), "model.safetensors")
+        with safe_open(path, "pt") as f:
+            return {f"pooler.dense.{p}": f.get_tensor(k) for k in f.keys()
+                    for p in ("weight", "bias") if k == f"pooler.dense.{p}" or k.endswith(f".pooler.dense.{p}")}
+    except (OSError, FileNotFoundError):
+        return {}
+
+
 def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
     """An untrained encoder of the given architecture (export fills in the trained weights).
 
