@@ -89,6 +89,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     log_every: int = 10  # TensorBoard/console logging interval (steps)
+    # Collapse alarm: train/uniformity above this (toward 0, where every embedding is the same point) logs
+    # health/collapse 1 and warns on the console; 0 turns it off.
+    collapse_uniformity: float = -0.2
     ckpt_every: int = 100  # checkpoint interval (steps; and always at the last step)
     keep_checkpoints: int = 2  # complete checkpoints kept (the best one, eval.select, is kept besides)
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
@@ -216,6 +219,7 @@ class Config:
             ("train.steps", t.steps > 0, "> 0"),
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
             ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
+            ("train.collapse_uniformity", t.collapse_uniformity <= 0, "<= 0 (0 = off; uniformity is at most 0)"),
             ("model.init", self.model.init in ("pretrained", "scratch"), "pretrained or scratch"),
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),

@@ -1,5 +1,6 @@
 """Training health in TensorBoard (written by rank 0 only): loss, lr, grad norm, throughput,
-loader wait, alignment/uniformity and evaluation scores."""
+loader wait, alignment/uniformity and evaluation scores; the run's config (text and hparams panels);
+a collapse alarm."""
 from __future__ import annotations
 
 import time
@@ -57,6 +58,28 @@ class TensorBoard:
         for name, value in values.items():
             self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
 
+    def config(self, cfg, metric: str | None) -> None:
+        """The run's resolved config: as YAML in the Text panel, and its scalar keys in the HParams panel,
+        with ``metric`` (an ``eval/...`` tag this run logs) as the column to compare runs by."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer.add_text("config", "```yaml\n" + cfg.to_yaml() + "```", 0)
+
+        def flat(values: dict, prefix: str = "") -> dict:
+            out = {}
+            for key, value in values.items():
+                if isinstance(value, dict):
+                    out.update(flat(value, f"{prefix}{key}."))
+                elif isinstance(value, (bool, int, float, str)):
+                    out[f"{prefix}{key}"] = value
+            return out
+
+        # hparams() only, not SummaryWriter.add_hparams, which opens a second run folder for the panel.
+        for summary in hparams(flat(cfg.to_dict()), {f"eval/{metric}": float("nan")} if metric else {}):
+            self.writer.file_writer.add_summary(summary)
+
     def image(self, tag: str, png: bytes, step: int) -> None:
         if self.writer is None:
             return
@@ -74,3 +97,9 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def collapsed(metrics: dict[str, float], threshold: float) -> bool:
+    """Whether the embeddings are collapsing: uniformity (log E exp(−2‖u−v‖²) over distinct rows, 0 when
+    every embedding is the same point) above ``threshold``; ``threshold`` 0 turns the check off."""
+    return threshold < 0 and metrics.get("uniformity", float("-inf")) > threshold

@@ -79,11 +79,12 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     events = tmp_path / "events"
     storage.download_dir(f"{run_url}/tensorboard", str(events))
     scalars = tensorboard_scalars(str(events))
-    for tag in ["train/loss", "train/lr", "train/grad_norm", "train/alignment", "train/uniformity",
+    for tag in ["train/loss", "train/lr", "train/grad_norm", "train/alignment", "train/uniformity", "health/collapse",
                 "perf/samples_per_s", "perf/tokens_per_s", "perf/loader_wait_fraction", "eval/stsb-en-dev_spearman"]:
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
     assert len(scalars["train/loss"]) == 4 and all(v > 0 for v in scalars["train/loss"])
     assert scalars["train/alignment"][-1] > 0, "the two dropout views are identical: is dropout on?"
+    assert scalars["health/collapse"] == [0.0] * 4 and "collapsing" not in first.stdout + first.stderr
     # train.profile: the step's time by phase; 2 ranks reduce gradients and gather embeddings every step.
     phases = {p: scalars[f"perf/time_{p}_s"] for p in ("forward_backward", "optimizer", "communication",
                                                        "loader_wait", "other")}
@@ -156,8 +157,12 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_pa
     proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs",
                "train.name=z3", "train.zero_stage=3", "train.precision=bf16", "train.grad_accum=2", "train.steps=3",
                "objective.grad_cache.chunk_size=3",
-               "train.ckpt_every=3", "eval.every=3", cwd=tmp_path)
+               "train.ckpt_every=3", "eval.every=3",
+               "train.collapse_uniformity=-50", cwd=tmp_path)  # uniformity is > -50 always: the alarm's path
     assert proc.returncode == 0
+    # The collapse alarm: health/collapse 1 at every logged step, the console warning once per episode.
+    assert tensorboard_scalars(str(tmp_path / "runs" / "z3" / "tensorboard"))["health/collapse"] == [1.0] * 3
+    assert (proc.stdout + proc.stderr).count("the embeddings are collapsing") <= 1
     exported = tmp_path / "runs" / "z3" / "export"
     from transformers import AutoModel
 

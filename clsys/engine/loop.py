@@ -24,7 +24,7 @@ from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
 from clsys.engine.selection import BestTracker, selected_metric
-from clsys.metrics import TensorBoard, Throughput
+from clsys.metrics import TensorBoard, Throughput, collapsed
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
 from clsys.tensorboard import LOG_FOLDER, EventSync
@@ -157,6 +157,8 @@ def train_worker(payload: dict) -> None:
 
     metric = selected_metric(cfg, dev_set.name if dev_set is not None else None)
     best = BestTracker(run, metric, cfg.eval.select_mode, cfg.train.keep_checkpoints) if metric else None
+    tb.config(cfg, metric)
+    collapsing = False  # the alarm's state, so that the console warns once per episode
 
     def save_checkpoint() -> str:
         if cfg.train.log_sample_keys:
@@ -236,6 +238,15 @@ def train_worker(payload: dict) -> None:
                 rates[name] *= world
             tb.scalars("train", values, step)
             tb.scalars("perf", rates, step)
+            if cfg.train.collapse_uniformity and "uniformity" in values:
+                now = collapsed(values, cfg.train.collapse_uniformity)
+                tb.scalars("health", {"collapse": float(now)}, step)
+                if now and not collapsing and rank == 0:
+                    print(f"[clsys] warning: step {step}: the embeddings are collapsing (train/uniformity "
+                          f"{values['uniformity']:.3f} > train.collapse_uniformity {cfg.train.collapse_uniformity}): "
+                          "distinct sentences get nearly the same vector; lower optim.lr or check the data",
+                          flush=True)
+                collapsing = now
             if skipped:
                 tb.scalars("data", {f"skipped_{reason}": n for reason, n in skipped.items()}, step)
             if rank == 0:
