@@ -1,8 +1,9 @@
 """STS recipes side by side, several seeds each: clsys SimCSE and SG-OPT against sentence-transformers.
 
-    python bench/sts_recipes.py [--steps 200] [--sg-steps 200] [--seeds 3] [--out runs/bench]
+    python bench/sts_recipes.py [--steps 200] [--sg-steps 200] [--seeds 3] [--first-seed 42] [--out runs/bench]
 
-On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, mean ± std over --seeds seeds (42, 43, ...):
+On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, mean ± std over --seeds seeds (42, 43, ...
+by default):
   1. unsupervised SimCSE (clsys, the quickstart recipe: 2 Ray workers, ZeRO-2, best STS-B dev
      checkpoint) on the bundled Wikipedia sample, each run logging the sample keys it consumed;
   2. the same recipe through sentence-transformers, like for like: the very batches, in the order
@@ -187,7 +188,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200,
                         help="SimCSE steps (clsys and sentence-transformers; 0: leave SimCSE out)")
     parser.add_argument("--sg-steps", type=int, default=200, help="SG-OPT steps (0: leave SG-OPT out)")
-    parser.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds 42, 43, ...")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds --first-seed, +1, ...")
+    parser.add_argument("--first-seed", type=int, default=42, help="the first seed (default 42)")
     parser.add_argument("--korean-steps", type=int, default=200,
                         help="Korean SimCSE steps on multilingual-e5-small (0: leave the Korean row out)")
     parser.add_argument("--out", default="runs/bench")
@@ -200,7 +202,7 @@ def main() -> None:
     wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
     stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"), ["stsb-en-train", "stsb-en-dev",
                                                                                 "stsb-en-test"])
-    seeds = [42 + i for i in range(args.seeds)]
+    seeds = [args.first_seed + i for i in range(args.seeds)]
     arms: dict[str, list[tuple[float, float]]] = {}  # name -> (STS-B test CLS, s/step) per seed
 
     recipes = [(SIMCSE_ARM, "quickstart", wiki, args.steps)] if args.steps else []

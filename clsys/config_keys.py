@@ -153,14 +153,15 @@ def sections() -> list[Section]:
         section = getattr(defaults, f.name)
         if not dataclasses.is_dataclass(section):  # a free-form mapping (deepspeed): one row for the whole
             recipe = getattr(quickstart, f.name)
-            out.append(Section(f.name, None, Config, [Row(f"{f.name}.*", _type_name(f.type) if not isinstance(
-                f.type, str) else f.type, section, recipe if recipe != section else dataclasses.MISSING,
-                meaning(Config, f.name, f.name))]))
+            row = Row(f"{f.name}.*", f.type if isinstance(f.type, str) else _type_name(f.type), section,
+                      recipe if recipe != section else dataclasses.MISSING, meaning(Config, f.name, f.name))
+            out.append(Section(f.name, None, Config, [row]))
             continue
         if f.name != "objective":
             out.append(Section(f.name, None, type(section), walk(section, f.name, getattr(quickstart, f.name))))
             continue
-        out.append(Section("objective", None, ObjectiveConfig, walk(ObjectiveConfig(), "objective", quickstart.objective)))
+        out.append(Section("objective", None, ObjectiveConfig,
+                           walk(ObjectiveConfig(), "objective", quickstart.objective)))
         base = frozenset(x.name for x in dataclasses.fields(ObjectiveConfig))
         for objective, cls in OBJECTIVES.items():
             config_class = cls.config_class

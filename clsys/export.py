@@ -12,6 +12,8 @@ The choice is printed and recorded in the folder's ``clsys_export.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -168,6 +170,9 @@ def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling:
 def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: str) -> None:
     """Load ``weights`` into ``model`` (every parameter must be covered) and save it with the tokenizer."""
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for the one file of a small model
 
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
@@ -206,7 +211,10 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
 
     ds = os.path.join(folder, "ds")
     if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
-        return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
+        # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
+        # nothing the export's own line does not; errors still raise.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
     saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
     return {name: tensor.float() for name, tensor in saved["module"].items()}
 

@@ -103,3 +103,13 @@ def collapsed(metrics: dict[str, float], threshold: float) -> bool:
     """Whether the embeddings are collapsing: uniformity (log E exp(−2‖u−v‖²) over distinct rows, 0 when
     every embedding is the same point) above ``threshold``; ``threshold`` 0 turns the check off."""
     return threshold < 0 and metrics.get("uniformity", float("-inf")) > threshold
+
+
+def duration(seconds: float) -> str:
+    """A console duration: 45s, 3m12s, 1h02m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -4,9 +4,9 @@ With no arguments this is the quickstart recipe. Overrides are ``section.key=val
 ``--section.key=value`` or ``--section.key value``; ``--help`` lists the bundled recipes and every key
 with its default and meaning, ``--print-config`` prints the resolved config and exits. The driver
 resolves the config, checks the data and the run folder, writes the resolved config to
-``<run>/config.yaml`` (a recipe: ``--config`` takes it back), then runs Ray Train workers (``clsys.engine.loop.train_worker``): it
-joins the Ray cluster named by ``RAY_ADDRESS`` (as under ``ray job submit``) and otherwise starts
-a local one in-process. After training it exports the final encoder and, when ``eval.sts_test``
+``<run>/config.yaml`` (a recipe: ``--config`` takes it back), then runs Ray Train workers
+(``clsys.engine.loop.train_worker``): it joins the Ray cluster named by ``RAY_ADDRESS`` (as under
+``ray job submit``) and otherwise starts a local one in-process. After training it exports the final encoder and, when ``eval.sts_test``
 is set, prints the STS scores of the base model and the trained one side by side.
 
 SIGUSR1 or SIGTERM (a scheduler's preemption notice) makes the workers checkpoint at the next
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import socket
@@ -96,8 +97,10 @@ def init_ray(cfg: Config) -> None:
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
     env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
+    # Ray's notice that token authentication is on (docs/running/ray.md says so) came on every start.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env={"env_vars": env})
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
         print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
         return
     cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
@@ -110,7 +113,7 @@ def init_ray(cfg: Config) -> None:
     port = free_loopback_port()
     env["RAY_API_SERVER_ADDRESS"] = dashboard = f"http://127.0.0.1:{port}"
     ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port, runtime_env={"env_vars": env})
+             dashboard_port=port, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
           "(set RAY_ADDRESS to join one)", flush=True)
 
@@ -124,7 +127,7 @@ def free_loopback_port() -> int:
 
 def train(cfg: Config, resume: str | None, worker=None) -> None:
     """One Ray Train run of ``worker`` (default: the step loop, ``clsys.engine.loop.train_worker``)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from clsys.engine.failures import FailureReport
@@ -146,6 +149,9 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
                                      resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
         run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,
                              failure_config=FailureConfig(max_failures=c.max_restarts),
+                             # Ray Train's own INFO lines (resource requests, worker group starts, process
+                             # group set-up) stay in its log files, off the console; warnings still show.
+                             logging_config=LoggingConfig(log_level="WARNING"),
                              callbacks=[FailureReport()]),
     )
     try:

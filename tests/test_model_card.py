@@ -28,7 +28,7 @@ def test_card_says_what_was_trained_and_carries_the_evaluation(tmp_path):
     # The config block is the run's config, a recipe that loads back.
     block = card.split("```yaml\n")[1].split("```")[0]
     (tmp_path / "config.yaml").write_text(block)
-    assert load_config(str(tmp_path / "config.yaml")).to_dict() == load_config("quickstart", ["train.steps=200"]).to_dict()
+    assert load_config(str(tmp_path / "config.yaml")) == load_config("quickstart", ["train.steps=200"])
 
     rows = [{"model": "before", "pooling": "cls", "spearman": 73.5, "pearson": 73.37},
             {"model": "after", "pooling": "cls", "spearman": 79.34, "pearson": 80.19}]
@@ -57,9 +57,8 @@ def test_pooling_is_read_from_a_sentence_transformers_folder(tmp_path):
         path = tmp_path / name
         (path / "1_Pooling").mkdir(parents=True)
         (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 8, **modes}))
-        modules = [{"type": "sentence_transformers.models.Transformer"}, {"type": "sentence_transformers.models.Pooling"}]
-        (path / "modules.json").write_text(json.dumps(modules + [{"type": f"sentence_transformers.models.{t}"}
-                                                                 for t in after]))
+        modules = [{"type": f"sentence_transformers.models.{t}"} for t in ("Transformer", "Pooling", *after)]
+        (path / "modules.json").write_text(json.dumps(modules))
         return str(path)
 
     assert folder_pooling(folder("cls", {"pooling_mode_cls_token": True}, [])) == "cls"

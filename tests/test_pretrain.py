@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,15 @@ def tensorboard_steps(logdir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
 
 
+# What the console of a run showed before it was quieted at the source (Ray's and Ray Train's logging
+# configuration, a warnings filter, the export's quiet DeepSpeed consolidation): none of it may come back.
+CONSOLE_NOISE = ("Token authentication is enabled", "Started a local Ray instance", "Requesting resources",
+                 "Attempting to start training worker group", "Started training worker group", "world_rank=",
+                 "Setting up process group", "FutureWarning", "Processing zero checkpoint", "Parsing checkpoint",
+                 "Detected checkpoint of type", "Reconstructed fp32 state dict", "Loading checkpoint shards",
+                 "Writing model shards", "LOAD REPORT")
+
+
 def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     shards, runs = f"{s3_bucket}/shards", f"{s3_bucket}/runs"
     assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
@@ -69,6 +79,13 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
 
     first = run("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true")
     assert first.returncode == 0
+    # A quiet console (this run starts its own local Ray cluster): the run's own lines, with elapsed time
+    # and ETA, and none of the INFO chatter of Ray, Ray Train, torch and DeepSpeed that used to surround them.
+    console = (first.stdout + first.stderr).splitlines()
+    noise = [line for line in console if any(p in line for p in CONSOLE_NOISE)]
+    assert not noise, f"{len(noise)} noise lines on the console, e.g. {noise[:3]}"
+    steps = [line for line in console if re.search(r"\[clsys\] step \d+/4 loss", line)]
+    assert len(steps) == 4 and all(re.search(r"samples/s, \d+s elapsed, ETA \d+s$", line) for line in steps), steps
     run_url = f"{runs}/s3run"
     assert [step for step, _ in complete_checkpoints(run_url)] == [2, 4]
     # The resolved config, written at the start, is a recipe that gives back the run's config.

@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
 from clsys.engine.selection import BestTracker, selected_metric
-from clsys.metrics import TensorBoard, Throughput, collapsed
+from clsys.metrics import TensorBoard, Throughput, collapsed, duration
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
 from clsys.tensorboard import LOG_FOLDER, EventSync
@@ -201,6 +202,7 @@ def train_worker(payload: dict) -> None:
     chunk_size = cfg.objective.grad_cache.chunk_size
     meter = Throughput()
     stop_watch = StopWatch(run, cfg.cluster.stop_poll_s)
+    started, first_step = time.perf_counter(), step  # for the console's elapsed time and ETA
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
             clock.start()
@@ -250,8 +252,12 @@ def train_worker(payload: dict) -> None:
             if skipped:
                 tb.scalars("data", {f"skipped_{reason}": n for reason, n in skipped.items()}, step)
             if rank == 0:
+                # The ETA extrapolates this start's pace, evaluations and checkpoints included.
+                elapsed = time.perf_counter() - started
+                eta = elapsed / (step - first_step) * (cfg.train.steps - step)
                 print(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
-                      f"{rates['samples_per_s']:.1f} samples/s", flush=True)
+                      f"{rates['samples_per_s']:.1f} samples/s, {duration(elapsed)} elapsed, ETA {duration(eta)}",
+                      flush=True)
             # No ray.train.report: nothing reads Ray's copy of the metrics (TensorBoard and the console
             # have them), and each report is a barrier across ranks plus a one-slot queue the controller
             # empties every 2 s: logging more often than that blocked every rank for up to 2 s a report.
