@@ -160,11 +160,14 @@ def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
 
 
 def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
-                source: str) -> None:
-    """Save the encoder (with its pooler: see ``with_pooler``), tokenizer and sentence-transformers files."""
+                source: str, base_model: str) -> str:
+    """Save the encoder (with its pooler: see ``with_pooler``; ``base_model`` "" for one trained from
+    scratch), tokenizer and sentence-transformers files; returns where the pooler came from."""
+    weights, pooler = with_pooler(weights, config, base_model)
     model = encoder_from_config(config, with_pooler=config.model_type in POOLER_MODEL_TYPES)
     _save_filled(model, weights, folder, tokenizer_dir, source)
     write_sentence_transformers(folder, pooling, model, max_seq_length)
+    return pooler
 
 
 def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: str) -> None:
@@ -235,9 +238,10 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
         base_model = meta["config"]["model"]["name"]
-        weights, pooler = with_pooler(encoder_weights(state, meta), config,
-                                      base_model if meta["config"]["model"]["init"] == "pretrained" else "")
-        write_model(folder, weights, config, hf_dir, meta["export_pooling"], _max_seq_length(base_model, config), url)
+        weights = encoder_weights(state, meta)
+        pooler = write_model(folder, weights, config, hf_dir, meta["export_pooling"],
+                             _max_seq_length(base_model, config), url,
+                             base_model if meta["config"]["model"]["init"] == "pretrained" else "")
         if meta.get("export_reranker_map"):
             write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
         record = {"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],

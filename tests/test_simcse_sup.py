@@ -92,7 +92,7 @@ def test_export_cls_mlp_is_hf_pooler_and_sentence_transformers_dense(tiny_model,
     meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
     folder = tmp_path / "export"
     write_model(str(folder), encoder_weights(objective.state_dict(), meta), objective.model.config,
-                tiny_model, "cls_mlp", 32, "test")
+                tiny_model, "cls_mlp", 32, "test", tiny_model)
 
     sentences = ["a man plays outside", "the dog sleeps inside"]
     objective.eval()
@@ -119,9 +119,9 @@ def test_export_unsupervised_keeps_raw_cls_and_the_base_pooler(tiny_model, tmp_p
     objective = make_objective(tiny_model)
     meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
     assert meta["export_head_map"] == {}
-    weights, pooler = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, tiny_model)
+    pooler = write_model(str(tmp_path), encoder_weights(objective.state_dict(), meta), objective.model.config,
+                         tiny_model, "cls", 32, "test", tiny_model)
     assert pooler == f"{tiny_model}'s, untrained"
-    write_model(str(tmp_path), weights, objective.model.config, tiny_model, "cls", 32, "test")
     saved, base = load_file(tmp_path / "model.safetensors"), pooler_weights(tiny_model)
     assert set(base) == {"pooler.dense.weight", "pooler.dense.bias"}
     assert all(torch.equal(saved[k], v) for k, v in base.items())

@@ -324,7 +324,7 @@ def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> Non
         objective.tokenizer.save_pretrained(os.path.join(work, "tokenizer"))
         folder = os.path.join(work, "out")
         write_model(folder, objective.model.state_dict(), objective.model.config, os.path.join(work, "tokenizer"),
-                    "cls", cfg.data.max_length, out)
+                    "cls", cfg.data.max_length, out, cfg.model.name if cfg.model.init == "pretrained" else "")
         save_weights(os.path.join(folder, "task_head.safetensors"), objective.task_head.state_dict())
         with open(os.path.join(folder, "classifier.json"), "w") as f:
             json.dump({"labels": label_names, "max_length": cfg.data.max_length, "method": cfg.objective.method,
