@@ -4,8 +4,8 @@ The folder loads with ``transformers.AutoModel.from_pretrained`` (BERT-like mode
 the trained head where the objective exports one into it, else the base model's, untouched by
 training) and with ``sentence_transformers.SentenceTransformer`` (modules.json,
 config_sentence_transformers.json, the pooling the objective uses at inference); its README.md is a
-model card (``clsys.model_card``). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds full fp32 weights
-from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
+model card (``clsys.model_card``). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds
+full fp32 weights from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
 run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
 The choice is printed and recorded in the folder's ``clsys_export.json``.
 """
@@ -154,9 +154,13 @@ def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
     base = pooler_weights(base_model)
     if base:
         return {**weights, **base}, f"{base_model}'s, untrained"
-    torch.manual_seed(0)
-    fresh = encoder_from_config(config, with_pooler=True).pooler.state_dict()
-    return {**weights, **{f"pooler.{k}": v for k, v in fresh.items()}}, "initialised (seed 0), untrained"
+    # BERT's initialisation of its pooler's dense layer, from a generator of its own: the caller's random
+    # state (a training worker's, for CSS-LM's export) stays as it was, and no whole model is built.
+    dim = config.hidden_size
+    weight = torch.empty(dim, dim).normal_(0.0, getattr(config, "initializer_range", 0.02),
+                                           generator=torch.Generator().manual_seed(0))
+    return {**weights, "pooler.dense.weight": weight, "pooler.dense.bias": torch.zeros(dim)}, \
+        "initialised (seed 0), untrained"
 
 
 def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,

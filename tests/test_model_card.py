@@ -47,8 +47,8 @@ def test_card_of_a_model_from_scratch_names_no_base(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "base_model" not in yaml.safe_load(card.split("---")[1])
     assert "all-MiniLM-L6-v2 (architecture only, from scratch)" in card and "the run's latest one" in card
+    (tmp_path / "README.md").write_text("# edited by hand\n")
     with pytest.raises(ValueError, match="no '## Evaluation' section"):
-        (tmp_path / "README.md").write_text("# edited by hand\n")
         add_evaluation(str(tmp_path), "t", [])
 
 
