@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 _REQUIRED = {"format": str, "stream": str, "shards": list, "samples": int}
 _REQUIRED_SHARD = {"name": str, "samples": int, "sha256": str}
 _TOKENIZER = {"name": str, "fingerprint": str, "max_tokens": int}  # of a pre-tokenized stream (data_prep tokenize)
+_FOREIGN = {"text_member": str}  # of shards written by other tools (data_prep manifest)
 
 
 @dataclass
@@ -177,12 +178,19 @@ class ShardWriter:
         return url
 
 
+def shard_url(stream_url: str, name: str) -> str:
+    """A manifest's shard name as a URL: a file name in the stream folder, or (data_prep manifest --out
+    elsewhere) an absolute s3:// or file:// URL."""
+    return name if "://" in name else storage.join(stream_url, name)
+
+
 def previous_shas(stream_url: str) -> dict[str, str]:
-    """Shard name → sha256 from an existing, valid manifest; empty when there is none."""
+    """Shard name → sha256 from an existing, valid manifest; empty when there is none. Shards the
+    manifest names by absolute URL are left out: they are not this folder's to replace or delete."""
     if not storage.exists(storage.join(stream_url, MANIFEST)):
         return {}
     try:
-        return {s["name"]: s["sha256"] for s in read_manifest(stream_url)["shards"]}
+        return {s["name"]: s["sha256"] for s in read_manifest(stream_url)["shards"] if "://" not in s["name"]}
     except StorageError:
         return {}  # an unreadable old manifest is simply replaced
 
@@ -191,8 +199,9 @@ def read_manifest(stream_url: str) -> dict:
     """Load and validate ``stream_url/manifest.json``; ``StorageError`` names the URL and the bad field.
 
     The training loader relies on ``format``, ``stream``, ``samples`` and ``shards[].name/samples/sha256``;
-    shard names are relative to the stream folder (``storage.join(stream_url, name)``). A pre-tokenized
-    stream's ``tokenizer`` (name, fingerprint, max_tokens) is checked against the training tokenizer.
+    shard names are file names in the stream folder, or absolute URLs (``shard_url``). A pre-tokenized
+    stream's ``tokenizer`` (name, fingerprint, max_tokens) is checked against the training tokenizer; a
+    foreign stream's ``foreign.text_member`` names the member holding each sample's text.
     """
     url = storage.join(stream_url, MANIFEST)
     manifest = storage.read_json(url)
@@ -209,11 +218,19 @@ def read_manifest(stream_url: str) -> dict:
         for key, typ in _REQUIRED_SHARD.items():
             if not isinstance(shard, dict) or not isinstance(shard.get(key), typ):
                 raise StorageError(f"{url}: manifest field 'shards[{i}].{key}' is missing or not {typ.__name__}")
-        if "/" in shard["name"] or shard["name"].startswith("."):
-            raise StorageError(f"{url}: manifest field 'shards[{i}].name' must be a file name in the stream folder")
-    for key, typ in _TOKENIZER.items() if "tokenizer" in manifest else ():
-        if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["tokenizer"].get(key), typ):
-            raise StorageError(f"{url}: manifest field 'tokenizer.{key}' is missing or not {typ.__name__}")
+        name = shard["name"]
+        if "://" in name:
+            try:
+                storage.parse(name)
+            except StorageError as err:
+                raise StorageError(f"{url}: manifest field 'shards[{i}].name': {err}") from None
+        elif "/" in name or name.startswith("."):
+            raise StorageError(f"{url}: manifest field 'shards[{i}].name' must be a file name in the stream "
+                               f"folder or an s3:// or file:// URL")
+    for section, fields in (("tokenizer", _TOKENIZER), ("foreign", _FOREIGN)):
+        for key, typ in fields.items() if section in manifest else ():
+            if not isinstance(manifest[section], dict) or not isinstance(manifest[section].get(key), typ):
+                raise StorageError(f"{url}: manifest field '{section}.{key}' is missing or not {typ.__name__}")
     total = sum(s["samples"] for s in manifest["shards"])
     if total != manifest["samples"]:
         raise StorageError(f"{url}: manifest field 'samples' is {manifest['samples']} but the shards hold {total}")

@@ -1,16 +1,25 @@
-"""Reading one shard of a ``data_prep`` stream, safely: whole, checked, and only txt/json/ids decoded.
+"""Reading one shard of a stream, safely: whole, checked, and only txt/json/ids decoded.
 
 A shard is read whole into memory (64 MiB with data_prep's default shard size); its size and
 sha256 are compared with the manifest and its tar structure is parsed before any sample is
 yielded, so no sample of a bad shard is ever used. Only ``txt``, ``json`` and ``ids`` (token ids of a
-pre-tokenized stream: raw little-endian int32, see ``encode_ids``) members are decoded: a shard with
-any other member (a pickle, say) is bad, and nothing is ever unpickled. Reasons a shard
-or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``, ``truncated``,
-``corrupt``, ``unsafe`` (a whole shard), ``undecodable``, ``missing_fields`` (one sample).
+pre-tokenized stream: raw little-endian int32, see ``encode_ids``) members are decoded, as UTF-8,
+JSON and int32: nothing is ever unpickled.
+
+- A ``data_prep`` stream has no other member: a shard with one (a pickle, say) is bad (``unsafe``).
+- A foreign stream (shards written by other tools, indexed by ``python -m data_prep manifest``)
+  keeps its text in the member its manifest names (``foreign.text_member``: ``txt``, ``caption``, …),
+  read as the sample's ``txt``; every other member (images, labels, other tools' json, pickles) is
+  skipped unread, and ``json`` is empty. ``.tar.gz``/``.tgz`` shards are decompressed in memory, after
+  their size and sha256 are checked.
+
+Reasons a shard or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``,
+``truncated``, ``corrupt``, ``unsafe`` (a whole shard), ``undecodable``, ``missing_fields`` (one sample).
 """
 from __future__ import annotations
 
 import collections
+import gzip
 import hashlib
 import io
 import json
@@ -35,6 +44,7 @@ def decode_ids(data: bytes) -> list[int]:
 
 SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
 FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has (ids is optional)
+COMPRESSED = (".tar.gz", ".tgz")  # shard names read as gzip-compressed tars
 
 
 class ShardError(RuntimeError):
@@ -42,8 +52,9 @@ class ShardError(RuntimeError):
     sample, and the reason."""
 
 
-class _Fault(Exception):
-    """Bad data found in a shard; ``reason`` is what ``data_skipped`` counts it under."""
+class BadData(Exception):
+    """Bad data found in a shard (internal to reading; callers see ShardError or a skip count);
+    ``reason`` is what ``data_skipped`` counts it under."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -56,14 +67,16 @@ class Shard:
     samples: int
     sha256: str
     size: int = 0  # bytes, as the manifest lists them (0: not listed)
+    text_member: str | None = None  # a foreign stream's text member (read as ``txt``); None: a data_prep stream
 
 
 def load_shards(stream_url: str) -> list[Shard]:
-    from data_prep.shards import read_manifest
+    from data_prep.shards import read_manifest, shard_url
 
     manifest = read_manifest(stream_url)
-    return [Shard(storage.join(stream_url, s["name"]), int(s["samples"]), s["sha256"], int(s.get("bytes", 0)))
-            for s in manifest["shards"]]
+    text_member = manifest["foreign"]["text_member"] if "foreign" in manifest else None
+    return [Shard(shard_url(stream_url, s["name"]), int(s["samples"]), s["sha256"], int(s.get("bytes", 0)),
+                  text_member) for s in manifest["shards"]]
 
 
 def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
@@ -73,61 +86,95 @@ def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for info in tar:
                 if not info.isfile():
-                    raise _Fault("corrupt", f"member {info.name} is not a regular file")
+                    raise BadData("corrupt", f"member {info.name} is not a regular file")
                 if info.offset_data + info.size > len(data):
-                    raise _Fault("truncated", f"member {info.name}: the shard ends inside it")
+                    raise BadData("truncated", f"member {info.name}: the shard ends inside it")
                 members.append((info.name, info.offset_data, info.size))
             end = tar.offset
     except tarfile.TarError as err:
-        raise _Fault("corrupt", f"unreadable tar ({err})") from None
+        raise BadData("corrupt", f"unreadable tar ({err})") from None
     # tarfile stops quietly at a header it cannot parse (a bad checksum, a cut), so check that only
     # the zero blocks of the end-of-archive marker follow the last member.
     if data[end:].strip(b"\0"):
         after = f"after member {members[-1][0]}" if members else "at the start"
         reason = "truncated" if len(data) - end < tarfile.BLOCKSIZE else "corrupt"
-        raise _Fault(reason, f"unreadable tar header at byte {end} ({after})")
+        raise BadData(reason, f"unreadable tar header at byte {end} ({after})")
     return members
 
 
-def _check_shard(shard: Shard, data: bytes, verify: bool) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """The samples of a shard as (key, {extension: (offset, size)}), once the whole shard is known good."""
+def _check_shard(shard: Shard, data: bytes, verify: bool) -> tuple[bytes, list[tuple[str, dict[str, tuple[int, int]]]]]:
+    """The shard's tar (gunzipped if need be) and its samples as (key, {extension: (offset, size)}), once
+    the whole shard is known good."""
     if shard.size and len(data) != shard.size:
         reason = "truncated" if len(data) < shard.size else "corrupt"
-        raise _Fault(reason, f"{len(data)} bytes, the manifest says {shard.size}")
+        raise BadData(reason, f"{len(data)} bytes, the manifest says {shard.size}")
     if verify and (got := hashlib.sha256(data).hexdigest()) != shard.sha256:
-        raise _Fault("checksum", f"sha256 {got} does not match the manifest ({shard.sha256})")
+        raise BadData("checksum", f"sha256 {got} does not match the manifest ({shard.sha256})")
+    tar = untar_bytes(shard.url, data)
+    samples = sample_members(tar, shard.text_member)
+    if len(samples) != shard.samples:
+        raise BadData("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
+    return tar, samples
+
+
+def untar_bytes(url: str, data: bytes) -> bytes:
+    """The tar inside a shard as stored: gunzipped for a ``.tar.gz``/``.tgz`` name."""
+    if not url.endswith(COMPRESSED):
+        return data
+    try:
+        return gzip.decompress(data)
+    except EOFError as err:
+        raise BadData("truncated", f"the gzip stream ends early ({err})") from None
+    except OSError as err:  # gzip.BadGzipFile, zlib.error
+        raise BadData("corrupt", f"unreadable gzip ({err})") from None
+
+
+def sample_members(tar: bytes, text_member: str | None = None, extensions: collections.Counter | None = None
+                   ) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """The samples of a tar held in memory as (key, {extension: (offset, size)}) of the members clsys
+    reads, after checking its structure and member types. ``text_member`` None: a data_prep stream (any
+    member but txt/json/ids is unsafe); else a foreign one (members but the text are skipped).
+    ``extensions`` counts every member by extension, skipped ones included."""
+    read = {text_member} if text_member else None
     samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
-    for name, offset, size in _tar_members(data):
+    seen: set[str] = set()  # the current sample's extensions, skipped ones included
+    for name, offset, size in _tar_members(tar):
         # WebDataset's convention: the key is the path up to the first dot of the file name, and
         # consecutive members with the same key make one sample.
         folder, slash, base = name.rpartition("/")
         stem, dot, ext = base.partition(".")
         key = folder + slash + stem
-        if not dot:
-            raise _Fault("corrupt", f"member {name} has no extension")
-        if ext not in SAFE_EXTENSIONS:
-            raise _Fault("unsafe", f"sample {key} has a '.{ext}' member; only {', '.join(SAFE_EXTENSIONS)} "
+        if read is None and not dot:
+            raise BadData("corrupt", f"member {name} has no extension")
+        if read is None and ext not in SAFE_EXTENSIONS:
+            raise BadData("unsafe", f"sample {key} has a '.{ext}' member; only {', '.join(SAFE_EXTENSIONS)} "
                                    f"are decoded (never pickles)")
         if not samples or samples[-1][0] != key:
             samples.append((key, {}))
-        if ext in samples[-1][1]:
-            raise _Fault("corrupt", f"member {name} appears twice in its sample")
-        samples[-1][1][ext] = (offset, size)
-    if len(samples) != shard.samples:
-        raise _Fault("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
+            seen = set()
+        if ext in seen:
+            raise BadData("corrupt", f"member {name} appears twice in its sample")
+        seen.add(ext)
+        if extensions is not None:
+            extensions[ext] += 1
+        if read is None or ext in read:
+            samples[-1][1][ext] = (offset, size)
     return samples
 
 
-def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes) -> dict[str, Any]:
-    missing = [f".{f}" for f in FIELDS if f not in members]
+def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, text_member: str | None) -> dict[str, Any]:
+    required = (text_member,) if text_member else FIELDS
+    missing = [f".{f}" for f in required if f not in members]
     if missing:
-        raise _Fault("missing_fields", f"sample {key} has no {', '.join(missing)} member")
-    decoded = {"__key__": key}
+        raise BadData("missing_fields", f"sample {key} has no {', '.join(missing)} member")
+    # A foreign sample's text is its txt; it has no metadata clsys knows (other tools' json means other things).
+    decoded: dict[str, Any] = {"__key__": key} if text_member is None else {"__key__": key, "json": {}}
     for ext, (offset, size) in members.items():
+        field = "txt" if ext == text_member else ext
         try:
-            decoded[ext] = SAFE_EXTENSIONS[ext](data[offset:offset + size])
+            decoded[field] = SAFE_EXTENSIONS[field](data[offset:offset + size])
         except ValueError as err:  # UnicodeDecodeError, JSONDecodeError and decode_ids's all are
-            raise _Fault("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
+            raise BadData("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
     return decoded
 
 
@@ -139,21 +186,21 @@ def read_shard(shard: Shard, verify: bool = True,
     ``skipped`` counter, it is counted by reason instead and left out: a bad shard whole, a bad
     sample alone.
     """
-    def bad(fault: _Fault) -> None:
+    def bad(fault: BadData) -> None:
         if skipped is None:
             raise ShardError(f"{shard.url}: {fault}")
         skipped[fault.reason] += 1
 
     data = storage.read_bytes(shard.url)
     try:
-        samples = _check_shard(shard, data, verify)
-    except _Fault as fault:
+        tar, samples = _check_shard(shard, data, verify)
+    except BadData as fault:
         bad(fault)
         return
     for key, members in samples:
         try:
-            sample = _decode(key, members, data)
-        except _Fault as fault:
+            sample = _decode(key, members, tar, shard.text_member)
+        except BadData as fault:
             bad(fault)
             continue
         yield sample

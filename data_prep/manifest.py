@@ -1,0 +1,142 @@
+"""``data_prep manifest``: WebDataset shards written by other tools → a clsys stream, without copying them.
+
+Tools such as webdataset's ``TarWriter``, img2dataset or a Hugging Face export write tar shards of
+samples (``key.txt``, ``key.jpg``, ``key.json``, …) but no clsys ``manifest.json``, which training needs
+for its epoch plan (samples per shard) and its integrity checks (size, sha256). This command reads
+every ``.tar``/``.tar.gz``/``.tgz`` directly under a folder, checks it the way training will (tar
+structure, each sample's text member present and UTF-8) and writes the manifest:
+
+- beside the shards (the default): shard names are file names, the folder is the stream;
+- elsewhere (``--out``, e.g. when the shards' bucket is read-only): shard names are absolute URLs.
+
+The stream's name is its folder's (``sentences`` for SimCSE, SG and CSS-LM, ``documents`` for TaCL);
+train with ``data.url`` = the folder's parent. Only the text member (``--text-member``) is ever read;
+other members (images, labels, other tools' json, pickles) are counted and skipped, never decoded.
+A bad shard stops the command, naming it and the reason, unless ``--skip-bad`` leaves it out (counted).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from clsys import storage
+from clsys.storage import StorageError
+from data_prep import __version__, cli
+from data_prep.shards import FORMAT, MANIFEST
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", metavar="URL", help="the folder holding the shards: file:///abs, s3://bucket/prefix or a path")
+    p.add_argument("--out", metavar="URL", default=None,
+                   help="the stream folder to write manifest.json in (default: URL itself); its name is the "
+                        "stream's, e.g. .../sentences (train with data.url = its parent)")
+    p.add_argument("--text-member", default="txt", metavar="EXT",
+                   help="the member holding each sample's text, by extension: txt, text, caption, … (default: txt)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave bad shards out of the manifest (counted) instead of stopping")
+    p.add_argument("--jobs", type=cli.positive(int), default=8, metavar="N",
+                   help="shards read at once (default: 8)")
+
+
+@dataclass
+class ShardScan:
+    """What reading one shard found."""
+
+    url: str
+    name: str  # as the manifest lists it
+    bytes: int
+    sha256: str = ""
+    samples: int = 0
+    members: collections.Counter = field(default_factory=collections.Counter)  # extension → count
+    error: str | None = None  # why the shard cannot be trained on
+
+
+def scan_shard(url: str, name: str, text_member: str) -> ShardScan:
+    """Read a shard whole and check it as training will: tar structure, each sample's text present and UTF-8."""
+    from clsys.data.shard_reader import BadData, sample_members, untar_bytes
+
+    data = storage.read_bytes(url)
+    scan = ShardScan(url, name, len(data), hashlib.sha256(data).hexdigest())
+    try:
+        tar = untar_bytes(url, data)
+        samples = sample_members(tar, text_member, scan.members)
+    except BadData as fault:
+        scan.error = str(fault)
+        return scan
+    scan.samples = len(samples)
+    for key, members in samples:
+        if text_member not in members:
+            found = ", ".join(sorted({ext for ext in scan.members if ext})) or "none"
+            scan.error = (f"sample {key} has no .{text_member} member (the shard's members: {found}; "
+                          f"choose another with --text-member)")
+            return scan
+        offset, size = members[text_member]
+        try:
+            tar[offset:offset + size].decode("utf-8")
+        except UnicodeDecodeError as err:
+            scan.error = f"sample {key}: its .{text_member} member is not UTF-8 ({err})"
+            return scan
+    return scan
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``manifest``; returns the exit code (0 ok, 2 no shards, a bad shard, an unusable folder or a storage error)."""
+    start = time.time()
+    source = str(storage.parse(args.url))
+    out = str(storage.parse(args.out)) if args.out else source
+    if args.text_member in ("json", "ids", "") or "." in args.text_member:
+        return cli.fail("manifest", f"--text-member {args.text_member!r}: name the extension of a text member "
+                                    "(txt, text, caption, ...)")
+    try:
+        storage.check_bucket(out)
+        existing = storage.join(out, MANIFEST)
+        if storage.exists(existing) and "foreign" not in storage.read_json(existing):
+            return cli.fail("manifest", f"{existing}: a manifest written by data_prep is there already; "
+                                        "its stream needs no other (pass --out to index the shards elsewhere)")
+        prefix = source.rstrip("/") + "/"
+        found = [(url, url[len(prefix):]) for url, _ in storage.list_sizes(source)
+                 if url.startswith(prefix) and "/" not in url[len(prefix):] and url.endswith(SHARD_SUFFIXES)]
+        if not found:
+            return cli.fail("manifest", f"{source}: no {', '.join(SHARD_SUFFIXES)} shards directly in this folder")
+        # The manifest lists file names when it sits beside the shards, absolute URLs otherwise.
+        names = [name if out == source else url for url, name in found]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            scans = list(pool.map(lambda job: scan_shard(job[0], job[1], args.text_member),
+                                  [(url, name) for (url, _), name in zip(found, names)]))
+    except StorageError as err:
+        return cli.fail("manifest", str(err))
+
+    bad = [s for s in scans if s.error]
+    for scan in bad:
+        print(f"data_prep manifest: {'skipped' if args.skip_bad else 'bad shard'} {scan.url}: {scan.error}")
+    if bad and not args.skip_bad:
+        return cli.fail("manifest", f"{len(bad)} of {len(scans)} shards cannot be trained on (above); "
+                                    "fix them or pass --skip-bad to leave them out")
+    good = [s for s in scans if not s.error]
+    if not good:
+        return cli.fail("manifest", f"{source}: no shard is usable")
+    members = collections.Counter()
+    for scan in good:
+        members.update(scan.members)
+    manifest = {"format": FORMAT, "stream": os.path.basename(out.rstrip("/")),
+                "shards": [{"name": s.name, "samples": s.samples, "bytes": s.bytes, "sha256": s.sha256} for s in good],
+                "samples": sum(s.samples for s in good), "tool": f"data_prep {__version__} manifest",
+                "foreign": {"source": source, "text_member": args.text_member,
+                            "members": dict(sorted(members.items())), "shards_skipped": len(bad)}}
+    try:
+        storage.write_json(storage.join(out, MANIFEST), manifest)
+    except StorageError as err:
+        return cli.fail("manifest", str(err))
+    others = ", ".join(f".{ext} {n}" for ext, n in sorted(members.items()) if ext != args.text_member)
+    print(f"{manifest['samples']} samples in {len(good)} shards ({len(bad)} skipped), text from .{args.text_member}"
+          f"{f' (skipped unread: {others})' if others else ''} in {time.time() - start:.1f}s -> "
+          f"{storage.join(out, MANIFEST)}; train with data.url={os.path.dirname(out.rstrip('/'))} "
+          f"(stream '{manifest['stream']}')")
+    return 0
