@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -224,16 +225,28 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
     assert "credentials" in proc.stderr and "wrong-secret-123" not in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("recipe,extra", [("simcse_sup", ["objective.mlm_weight=0.1"]),
-                                          ("tacl", ["objective.nsp_weight=1.0"]),
-                                          ("sg_opt", ["objective.grad_cache.chunk_size=3"])])
+@pytest.fixture(scope="module")
+def foreign_shards(local_shards, tmp_path_factory):
+    """The bundled sentences as shards another tool wrote: the tars alone, indexed by `data_prep manifest`
+    into a stream folder of their own (shards named by URL)."""
+    out = tmp_path_factory.mktemp("foreign")
+    for tar in Path(local_shards, "sentences").glob("*.tar"):
+        shutil.copy(tar, out / tar.name)
+    assert run("-m", "data_prep", "manifest", str(out), "--out", str(out / "corpus" / "sentences")).returncode == 0
+    return str(out / "corpus")
+
+
+@pytest.mark.parametrize("recipe,extra,data", [("simcse_sup", ["objective.mlm_weight=0.1"], "local_shards"),
+                                               ("tacl", ["objective.nsp_weight=1.0"], "local_shards"),
+                                               ("sg_opt", ["objective.grad_cache.chunk_size=3"], "foreign_shards")])
 @pytest.mark.usefixtures("shared_ray")
-def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, local_shards, tmp_path):
+def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, data, request, tmp_path):
     """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store
     (SimCSE with its MLM auxiliary on, TaCL with NSP on, SG-OPT with GradCache, so those paths run through
-    DeepSpeed too)."""
+    DeepSpeed too; SG-OPT on shards indexed by `data_prep manifest`, as other tools' shards are)."""
     proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, *extra, "train.batch_size=8", "data.max_length=64",
-               f"data.url={local_shards}", f"train.run_root={tmp_path}", f"train.name={recipe}", "train.steps=2",
+               f"data.url={request.getfixturevalue(data)}", f"train.run_root={tmp_path}", f"train.name={recipe}",
+               "train.steps=2",
                "train.ckpt_every=2",
                "eval.every=2", "eval.max_pairs=16", "eval.heatmap_text=The cat sat on the mat.")
     assert proc.returncode == 0
