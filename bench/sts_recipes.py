@@ -100,12 +100,13 @@ def consumed_batches(run_dir: str, ranks: int, micro_batch: int, steps: int) -> 
     return [[key for keys in per_rank for key in keys[s * micro_batch:(s + 1) * micro_batch]] for s in range(steps)]
 
 
-def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str) -> float:
+def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str, precision: str) -> float:
     """The clsys SimCSE recipe through sentence-transformers, on the batches a clsys run consumed.
 
     Same as clsys: the batches and their order, one forward over both dropout views, the training MLP
     (a Dense + tanh module, SimCSE's initialisation) dropped after training, AdamW with the recipe's
-    weight decay, betas, eps, clipping and linear decay, and the best STS-B dev checkpoint (raw CLS,
+    weight decay, betas, eps, clipping and linear decay, the step's precision (``bf16``: forward and
+    loss under bf16 autocast, as clsys's step; ``fp32``), and the best STS-B dev checkpoint (raw CLS,
     evaluated at the same steps) kept. The loss is MultipleNegativesRankingLoss (scale 1/τ).
     Returns seconds per step (evaluations excluded); the selected model is saved to ``out``."""
     from sentence_transformers import SentenceTransformer
@@ -134,8 +135,10 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
         start = time.perf_counter()
         texts = [text[k] for k in keys]
         features = model.preprocess(texts + texts)  # both views in one forward: independent dropout masks
-        embeddings = model(features)["sentence_embedding"]
-        value = loss.compute_loss_from_embeddings(list(embeddings.chunk(2)), None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            embeddings = model(features)["sentence_embedding"]
+        # The similarities in fp32, as clsys's loss computes them.
+        value = loss.compute_loss_from_embeddings(list(embeddings.float().chunk(2)), None)
         optimizer.zero_grad()
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -198,6 +201,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from clsys.config import load_config
+    from clsys.engine.deepspeed import step_precision
 
     wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
     stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"), ["stsb-en-train", "stsb-en-dev",
@@ -221,7 +225,7 @@ def main() -> None:
                 cfg = load_config(recipe, overrides)
                 batches = consumed_batches(run_dir, cfg.cluster.num_workers, cfg.micro_batch, steps)
                 st_dir = os.path.join(out, f"bench-st-{seed}")
-                per_step = sentence_transformers_simcse(wiki, batches, cfg, st_dir)
+                per_step = sentence_transformers_simcse(wiki, batches, cfg, st_dir, step_precision(cfg))
                 arms.setdefault(ST_ARM, []).append(
                     (cls_spearman(st_dir), per_step))
 
