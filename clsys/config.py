@@ -82,7 +82,8 @@ class TrainConfig:
     batch_size: int = 32  # global batch (all ranks, all accumulation steps)
     grad_accum: int = 1  # micro-batches per optimizer step (in-batch negatives are per micro-batch × ranks)
     seed: int = 42  # model init and data order are the same on all ranks; dropout is seeded per rank
-    # fp32; bf16: autocast (bf16 matmuls, fp32 weights, gradients and optimizer state); bf16_weights:
+    # fp32; bf16: autocast (bf16 matmuls, fp32 weights, gradients and optimizer state; Linear gradients
+    # reduced across ranks in bf16, see deepspeed.torch_autocast); bf16_weights:
     # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory);
     # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision)
     precision: str = "fp32"
@@ -167,7 +168,8 @@ DEEPSPEED_DERIVED = {
     "gradient_accumulation_steps": "train.grad_accum",
     "gradient_clipping": "optim.grad_clip",
     "zero_optimization.stage": "train.zero_stage",
-    "torch_autocast": "train.precision",
+    "torch_autocast.enabled": "train.precision",
+    "torch_autocast.dtype": "train.precision",
     "bf16": "train.precision",
     "fp16": "train.precision",
     "optimizer": "optim.* (clsys builds torch's AdamW with its parameter groups)",
@@ -243,9 +245,13 @@ class Config:
             if not ok:
                 raise ConfigError(f"{key}: expected {expected}")
         for derived, owner in DEEPSPEED_DERIVED.items():
-            node = self.deepspeed
-            for part in derived.split("."):
+            node, parts = self.deepspeed, derived.split(".")
+            for depth, part in enumerate(parts):
                 node = node.get(part, dataclasses.MISSING) if isinstance(node, dict) else dataclasses.MISSING
+                if depth < len(parts) - 1 and node is not dataclasses.MISSING and not isinstance(node, dict):
+                    # e.g. torch_autocast: 1, which would replace the section holding a derived key
+                    raise ConfigError(f"deepspeed.{'.'.join(parts[:depth + 1])}: expected a mapping "
+                                      f"(clsys sets its {parts[-1]} from {owner})")
             if node is not dataclasses.MISSING:
                 raise ConfigError(f"deepspeed.{derived}: clsys sets it from {owner}; set that instead")
 

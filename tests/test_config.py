@@ -41,6 +41,11 @@ def test_deepspeed_section_merges_and_refuses_what_clsys_derives(tmp_path):
             load_config(None, [f"deepspeed.{derived}=1"])
     with pytest.raises(ConfigError, match="deepspeed.zero_optimization.stage: clsys sets it from train.zero_stage"):
         load_config(None, ["deepspeed.zero_optimization={stage: 3}"])
+    with pytest.raises(ConfigError, match=r"deepspeed.torch_autocast: expected a mapping \(clsys sets its enabled"):
+        load_config(None, ["deepspeed.torch_autocast=1"])
+    # What clsys does not derive in a section it fills is the recipe's: which gradients DeepSpeed reduces in bf16.
+    cfg = load_config(None, ["deepspeed.torch_autocast.lower_precision_safe_modules=[]", "train.precision=bf16"])
+    assert ds_config(cfg)["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
 
 
 def test_help_lists_the_recipes_and_every_key_with_default_and_meaning(capsys):

@@ -1,7 +1,8 @@
 """The step's precision modes and ``train.compile`` on real DeepSpeed engines (CPU, gloo, one rank).
 
 - ``train.precision: bf16``: DeepSpeed's torch autocast: the encoder computes in bf16 while weights,
-  gradients and AdamW stay fp32 (the bf16 mode meant for GPUs);
+  gradients and AdamW stay fp32 (the bf16 mode meant for GPUs), the gradients of nn.Linear layers
+  reduced across ranks in bf16 unless ``deepspeed.torch_autocast.lower_precision_safe_modules: []``;
 - ``bf16_weights``: DeepSpeed's bf16 mode, the weights themselves in bf16;
 - ``fp32``: everything fp32; ``auto``: bf16 where the CPU has bf16 matrix units (AVX512-BF16, AMX), else fp32;
 - ``train.compile: true``: the Hugging Face encoder runs through torch.compile (inductor, CPU here) and
@@ -52,6 +53,7 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
         engine.step()
         losses.append(loss.item())
     after = {k: v.detach().float() for k, v in objective.model.state_dict().items()}
+    from deepspeed.runtime import torch_autocast
     from deepspeed.runtime.zero import stage_1_and_2
 
     out.update(losses=losses, param_dtypes={str(p.dtype) for p in objective.model.parameters()},
@@ -61,7 +63,9 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
                compiled=getattr(objective.model, "_compiled_call_impl", None) is not None,
                zero_stage=engine.zero_optimization_stage(), reduce_bucket_size=engine.zero_reduce_bucket_size(),
                allgather_bucket_size=engine.zero_allgather_bucket_size(),
-               weights={k: v for k, v in after.items() if k.endswith("query.weight")})
+               weights={k: v for k, v in after.items() if k.endswith("query.weight")},
+               # The dtype each gradient is reduced across ranks in (DeepSpeed's autocast tags parameters).
+               grad_reduce_dtypes={str(torch_autocast.get_comm_dtype(p)) for p in objective.model.parameters()})
 
 
 def run_step(tiny: str, *overrides: str) -> dict:
@@ -81,16 +85,21 @@ def bf16_units() -> bool:
     return bf16_matmul_units(use_gpu=False)
 
 
-@pytest.mark.parametrize("precision, params, compute", [
-    ("fp32", {"torch.float32"}, {"torch.float32"}),
-    ("bf16", {"torch.float32"}, {"torch.bfloat16"}),
-    ("bf16_weights", {"torch.bfloat16"}, {"torch.bfloat16"}),
-    ("auto", {"torch.float32"}, {"torch.bfloat16" if bf16_units() else "torch.float32"}),
+BF16_LINEAR = {"torch.bfloat16", "torch.float32"}  # nn.Linear gradients reduced in bf16, the rest in fp32
+
+
+@pytest.mark.parametrize("precision, params, compute, reduce", [
+    ("fp32", {"torch.float32"}, {"torch.float32"}, {"torch.float32"}),
+    ("bf16", {"torch.float32"}, {"torch.bfloat16"}, BF16_LINEAR),
+    ("bf16_weights", {"torch.bfloat16"}, {"torch.bfloat16"}, {"torch.bfloat16"}),
+    ("auto", {"torch.float32"}, {"torch.bfloat16" if bf16_units() else "torch.float32"},
+     BF16_LINEAR if bf16_units() else {"torch.float32"}),
 ])
-def test_precision_modes(tiny, fp32_step, precision, params, compute):
+def test_precision_modes(tiny, fp32_step, precision, params, compute, reduce):
     out = fp32_step if precision == "fp32" else run_step(tiny, f"train.precision={precision}")
     assert out["param_dtypes"] == params
     assert out["hidden_dtypes"] == compute
+    assert out["grad_reduce_dtypes"] == reduce
     assert out["changed"] > 0  # the optimizer stepped every weight tensor it owns
     # ZeRO's gradient norm in fp32 on CPU (clsys.engine.deepspeed._grad_norms_in_fp32), still a real norm.
     assert out["norm_dtype"] == "torch.float32" and 0 < out["grad_norm"] < float("inf")
@@ -106,6 +115,13 @@ def test_deepspeed_section_reaches_the_engine(tiny, fp32_step):
     assert (out["zero_stage"], out["reduce_bucket_size"], out["allgather_bucket_size"]) == (2, 12345, 23456)
     assert (fp32_step["reduce_bucket_size"], fp32_step["allgather_bucket_size"]) != (12345, 23456)
     torch.testing.assert_close(out["losses"], fp32_step["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_can_reduce_every_gradient_in_fp32(tiny):
+    # DeepSpeed's default under autocast reduces nn.Linear gradients in bf16 (test_precision_modes); the
+    # one torch_autocast key clsys leaves to a recipe makes every reduction fp32, the compute still bf16.
+    out = run_step(tiny, "train.precision=bf16", "deepspeed.torch_autocast.lower_precision_safe_modules=[]")
+    assert out["grad_reduce_dtypes"] == {"torch.float32"} and out["hidden_dtypes"] == {"torch.bfloat16"}
 
 
 def test_compiled_step_matches_the_eager_step(tiny, fp32_step):

@@ -84,7 +84,10 @@ def ds_config(cfg: Config, load_universal: bool = False) -> dict:
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
-        # bf16: the engine runs forward under torch.autocast; weights, gradients and AdamW stay fp32.
+        # bf16: the engine runs forward under torch.autocast; weights, gradients and AdamW stay fp32, but
+        # DeepSpeed reduces the gradients of nn.Linear layers across ranks in bf16 (its torch_autocast
+        # lower_precision_safe_modules; `deepspeed: {torch_autocast: {lower_precision_safe_modules: []}}`
+        # reduces every gradient in fp32).
         "torch_autocast": {"enabled": precision == "bf16", "dtype": "bfloat16"},
         "bf16": {"enabled": precision == "bf16_weights"},
         # Our optimizer is torch's fused AdamW (DeepSpeed's fused Adam needs a CUDA build).
