@@ -99,6 +99,9 @@ class TrainConfig:
     tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often
     log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
     profile: bool = False  # log perf/time_<phase>_s: where the step's time goes (syncs the GPU at each phase)
+    # perf/mfu's divisor: the device's peak TFLOP/s at the step's precision; 0: the data-sheet bf16 peak of
+    # a known GPU (H100, H200, A100, L40S, L4, A10G) under bf16, else no perf/mfu
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -222,6 +225,7 @@ class Config:
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
             ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
             ("train.collapse_uniformity", t.collapse_uniformity <= 0, "<= 0 (0 = off; uniformity is at most 0)"),
+            ("train.peak_tflops", t.peak_tflops >= 0, ">= 0 (0 = the data-sheet peak of a known GPU)"),
             ("model.init", self.model.init in ("pretrained", "scratch"), "pretrained or scratch"),
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),

@@ -1,40 +1,79 @@
 """Training health in TensorBoard (written by rank 0 only): loss, lr, grad norm, throughput,
-loader wait, alignment/uniformity and evaluation scores; the run's config (text and hparams panels);
-a collapse alarm."""
+loader wait, model FLOP/s and MFU, alignment/uniformity and evaluation scores; the run's config (text
+and hparams panels); a collapse alarm."""
 from __future__ import annotations
 
 import time
 
 import torch
 
+# Peak dense bf16 tensor-core TFLOP/s per device, by a substring of torch.cuda.get_device_name(); the
+# first match wins, so more specific names come first. From NVIDIA's data sheets (without sparsity).
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4),
+                    ("A100", 312.0), ("L40S", 362.1), ("L4", 121.0), ("A10G", 70.0))
+
+
+def peak_tflops(configured: float, use_gpu: bool, precision: str) -> float:
+    """The per-device peak that perf/mfu divides by: ``train.peak_tflops`` when set, else the data-sheet
+    bf16 figure of a known GPU when the step computes in bf16; 0 (no MFU) otherwise."""
+    if configured:
+        return configured
+    if not (use_gpu and precision in ("bf16", "bf16_weights") and torch.cuda.is_available()):
+        return 0.0
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), 0.0)
+
+
+def encoder_train_flops(config, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Model FLOPs of one forward + backward of a BERT-style encoder over a batch's rows (the batch's
+    ``attention_mask``: one row a sequence, padding not counted), counted the usual way for MFU: 2 FLOPs a
+    multiply-add, the backward twice the forward. Per layer and token: Q, K, V and output projections
+    (4·d²) and the feed-forward (2·d·d_ff) multiply-adds; per layer and row of n tokens: QKᵀ and the
+    weighted sum of values (2·n²·d). Embedding lookups and heads are left out (a few % of a layer)."""
+    lengths = attention_mask.sum(-1).to(torch.float64)
+    d, layers, ff = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    macs = layers * ((4 * d * d + 2 * d * ff) * lengths.sum() + 2 * d * (lengths * lengths).sum())
+    return 3 * 2 * macs
+
 
 class Throughput:
-    """Counts samples, tokens, and time by phase (``clsys.engine.profile.StepClock``) between two log points."""
+    """Counts samples, tokens, model FLOPs and time by phase (``clsys.engine.profile.StepClock``) of one
+    rank between two log points."""
 
-    def __init__(self):
+    def __init__(self, peak_tflops: float = 0.0):
+        self.peak_tflops = peak_tflops
         self.reset()
 
     def reset(self) -> None:
         self.start = time.perf_counter()
-        self.samples = self.tokens = 0
+        self.samples = self.tokens = self.flops = 0
         self.phases: dict[str, float] = {}
         self.steps = 0
 
-    def add(self, samples: int, tokens: torch.Tensor, phases: dict[str, float]) -> None:
-        # ``tokens`` stays a tensor: summing on the host each step would force a sync.
+    def add(self, samples: int, tokens: torch.Tensor, phases: dict[str, float], flops: torch.Tensor | float = 0) -> None:
+        # ``tokens`` and ``flops`` stay tensors: summing on the host each step would force a sync.
         self.samples += samples
         self.tokens = self.tokens + tokens
+        self.flops = self.flops + flops
         for phase, seconds in phases.items():
             self.phases[phase] = self.phases.get(phase, 0.0) + seconds
         self.steps += 1
 
     def rates(self, phases: bool = False) -> dict[str, float]:
-        """Rates since the last call; with ``phases``, also seconds per step by phase, and ``other``: the
-        rest of the interval (metrics, logging, evaluation, checkpoints)."""
+        """This rank's rates since the last call (``*_per_device``: the rank's own, which callers keep
+        when they scale the others by the world size); model TFLOP/s and, given a peak, MFU; with
+        ``phases``, also seconds per step by phase, and ``other``: the rest of the interval (metrics,
+        logging, evaluation, checkpoints)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         steps = max(self.steps, 1)
-        out = {"samples_per_s": self.samples / elapsed, "tokens_per_s": float(self.tokens) / elapsed,
+        tokens_per_s = float(self.tokens) / elapsed
+        out = {"samples_per_s": self.samples / elapsed, "tokens_per_s": tokens_per_s,
+               "tokens_per_s_per_device": tokens_per_s,
                "loader_wait_fraction": self.phases.get("loader_wait", 0.0) / elapsed, "step_time_s": elapsed / steps}
+        if self.flops:
+            out["model_tflops_per_device"] = float(self.flops) / elapsed / 1e12
+            if self.peak_tflops:
+                out["mfu"] = out["model_tflops_per_device"] / self.peak_tflops
         if phases:
             out.update({f"time_{phase}_s": seconds / steps for phase, seconds in self.phases.items()})
             out["time_other_s"] = (elapsed - sum(self.phases.values())) / steps

@@ -78,7 +78,7 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
               "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
               "data.length_group_batches=3"]  # the resume at step 4 is in a window: it replays it
 
-    first = run("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true")
+    first = run("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true", "train.peak_tflops=0.5")
     assert first.returncode == 0
     # A quiet console (this run starts its own local Ray cluster): the run's own lines, with elapsed time
     # and ETA, and none of the INFO chatter of Ray, Ray Train, torch and DeepSpeed that used to surround them.
@@ -92,14 +92,20 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     # The resolved config, written at the start, is a recipe that gives back the run's config.
     (tmp_path / "config.yaml").write_bytes(storage.read_bytes(f"{run_url}/config.yaml"))
     saved = load_config(str(tmp_path / "config.yaml"))
-    assert saved == load_config("quickstart", [*common[2:], "train.steps=4", "train.profile=true"])
+    assert saved == load_config("quickstart", [*common[2:], "train.steps=4", "train.profile=true",
+                                               "train.peak_tflops=0.5"])
 
     events = tmp_path / "events"
     storage.download_dir(f"{run_url}/tensorboard", str(events))
     scalars = tensorboard_scalars(str(events))
     for tag in ["train/loss", "train/lr", "train/grad_norm", "train/alignment", "train/uniformity", "health/collapse",
-                "perf/samples_per_s", "perf/tokens_per_s", "perf/loader_wait_fraction", "eval/stsb-en-dev_spearman"]:
+                "perf/samples_per_s", "perf/tokens_per_s", "perf/tokens_per_s_per_device",
+                "perf/model_tflops_per_device", "perf/mfu", "perf/loader_wait_fraction", "eval/stsb-en-dev_spearman"]:
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+    # Two ranks: the job's token rate is twice a device's; MFU is the model TFLOP/s over train.peak_tflops.
+    assert scalars["perf/tokens_per_s"] == pytest.approx([2 * v for v in scalars["perf/tokens_per_s_per_device"]])
+    assert scalars["perf/mfu"] == pytest.approx([v / 0.5 for v in scalars["perf/model_tflops_per_device"]])
+    assert all(0 < v < 1 for v in scalars["perf/model_tflops_per_device"])  # a CPU core: well under a TFLOP/s
     assert len(scalars["train/loss"]) == 4 and all(v > 0 for v in scalars["train/loss"])
     assert scalars["train/alignment"][-1] > 0, "the two dropout views are identical: is dropout on?"
     assert scalars["health/collapse"] == [0.0] * 4 and "collapsing" not in first.stdout + first.stderr
