@@ -10,7 +10,8 @@ by default):
      that seed's clsys run consumed them, MultipleNegativesRankingLoss (scale 1/τ) over one forward
      of both dropout views, the training MLP as a Dense(tanh) module initialised as SimCSE does and
      dropped for evaluation, AdamW with the recipe's weight decay/betas/eps, clipping and linear
-     decay, and the best STS-B dev checkpoint at the same evaluation steps; one process;
+     decay, the step's precision (bf16 autocast where the recipe's `auto` resolves to it), and the
+     best STS-B dev checkpoint at the same evaluation steps; one process;
   3. SG-OPT (clsys, the sg_opt recipe) on the unlabeled STS-B train+dev+test sentences (SG-BERT's protocol);
   4. Korean (KR-BERT-SimCSE's setting): unsupervised SimCSE on the KorSTS train sentences, unlabeled,
      on multilingual-e5-small (rebuilt by bench/e5_model.py), KorSTS test before and after.
