@@ -117,9 +117,11 @@ def test_bad_foreign_shards_are_named_and_skipped_only_on_request(tmp_path, caps
     assert "4 of 4 shards cannot be trained on" in captured.err
     assert not (src / "manifest.json").exists()
 
-    # A cut shard and a bad UTF-8 caption: named; --skip-bad leaves both out and counts them.
+    # A cut shard, a cut gzip stream and a bad UTF-8 caption: named; --skip-bad leaves them out, counted.
     cut = src / "part-00001.tar"
     cut.write_bytes(cut.read_bytes()[:3000])
+    cut_gz = src / "part-00003.tar.gz"
+    cut_gz.write_bytes(cut_gz.read_bytes()[:200])
     with tarfile.open(src / "part-00004.tar", "w") as tar:
         info = tarfile.TarInfo("latin1.caption")
         info.size = 4
@@ -127,12 +129,13 @@ def test_bad_foreign_shards_are_named_and_skipped_only_on_request(tmp_path, caps
     assert data_prep(["manifest", str(src), "--text-member", "caption"]) == 2
     out = capsys.readouterr().out
     assert f"bad shard file://{src}/part-00001.tar: corrupt: unreadable tar" in out
+    assert f"bad shard file://{src}/part-00003.tar.gz: truncated: the gzip stream ends early" in out
     assert f"bad shard file://{src}/part-00004.tar: sample latin1: its .caption member is not UTF-8" in out
     assert data_prep(["manifest", str(src), "--text-member", "caption", "--skip-bad"]) == 0
-    assert "26 samples in 3 shards (2 skipped)" in capsys.readouterr().out
+    assert "16 samples in 2 shards (3 skipped)" in capsys.readouterr().out
     manifest = json.loads((src / "manifest.json").read_text())
-    assert manifest["foreign"]["shards_skipped"] == 2
-    assert [s["name"] for s in manifest["shards"]] == ["part-00000.tar", "part-00002.tar", "part-00003.tar.gz"]
+    assert manifest["foreign"]["shards_skipped"] == 3
+    assert [s["name"] for s in manifest["shards"]] == ["part-00000.tar", "part-00002.tar"]
 
     # Not a text member; an empty folder; a data_prep stream's own manifest is never replaced.
     assert data_prep(["manifest", str(src), "--text-member", "json"]) == 2
