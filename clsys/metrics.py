@@ -36,6 +36,15 @@ def encoder_train_flops(config, attention_mask: torch.Tensor) -> torch.Tensor:
     return 3 * 2 * macs
 
 
+def batch_work(encoder_config, attention_masks: list[torch.Tensor]) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """Tokens and model FLOPs (``encoder_train_flops``, from each 2-D mask; 0 for an encoder without
+    BERT's config fields) of one batch, as device tensors: no host sync."""
+    tokens = sum(mask.sum() for mask in attention_masks)
+    if not all(hasattr(encoder_config, a) for a in ("hidden_size", "num_hidden_layers", "intermediate_size")):
+        return tokens, 0
+    return tokens, sum(encoder_train_flops(encoder_config, m) for m in attention_masks if m.dim() == 2)
+
+
 class Throughput:
     """Counts samples, tokens, model FLOPs and time by phase (``clsys.engine.profile.StepClock``) of one
     rank between two log points."""

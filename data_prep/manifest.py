@@ -101,15 +101,13 @@ def main(args: argparse.Namespace) -> int:
             return cli.fail("manifest", f"{existing}: a manifest written by data_prep is there already; "
                                         "its stream needs no other (pass --out to index the shards elsewhere)")
         prefix = source.rstrip("/") + "/"
-        found = [(url, url[len(prefix):]) for url, _ in storage.list_sizes(source)
-                 if url.startswith(prefix) and "/" not in url[len(prefix):] and url.endswith(SHARD_SUFFIXES)]
-        if not found:
+        # (URL, name in the manifest): a file name when the manifest sits beside the shards, else the URL.
+        jobs = [(url, url[len(prefix):] if out == source else url) for url, _ in storage.list_sizes(source)
+                if "/" not in url[len(prefix):] and url.endswith(SHARD_SUFFIXES)]
+        if not jobs:
             return cli.fail("manifest", f"{source}: no {', '.join(SHARD_SUFFIXES)} shards directly in this folder")
-        # The manifest lists file names when it sits beside the shards, absolute URLs otherwise.
-        names = [name if out == source else url for url, name in found]
         with ThreadPoolExecutor(args.jobs) as pool:
-            scans = list(pool.map(lambda job: scan_shard(job[0], job[1], args.text_member),
-                                  [(url, name) for (url, _), name in zip(found, names)]))
+            scans = list(pool.map(lambda job: scan_shard(*job, args.text_member), jobs))
     except StorageError as err:
         return cli.fail("manifest", str(err))
 

@@ -25,7 +25,7 @@ from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
 from clsys.engine.selection import BestTracker, selected_metric
-from clsys.metrics import TensorBoard, Throughput, collapsed, duration, encoder_train_flops, peak_tflops
+from clsys.metrics import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
 from clsys.tensorboard import LOG_FOLDER, EventSync
@@ -201,9 +201,7 @@ def train_worker(payload: dict) -> None:
     batches = iter(loader)
     chunk_size = cfg.objective.grad_cache.chunk_size
     meter = Throughput(peak_tflops(cfg.train.peak_tflops, cfg.cluster.use_gpu, precision))
-    encoder_config = objective.encoder().config
-    # Model FLOPs (perf/model_tflops_per_device, perf/mfu) for BERT-style encoders, from each 2-D attention mask.
-    counts_flops = all(hasattr(encoder_config, a) for a in ("hidden_size", "num_hidden_layers", "intermediate_size"))
+    encoder_config = objective.encoder().config  # what perf/model_tflops_per_device counts
     stop_watch = StopWatch(run, cfg.cluster.stop_poll_s)
     started, first_step = time.perf_counter(), step  # for the console's elapsed time and ETA
     while step < cfg.train.steps:
@@ -227,9 +225,7 @@ def train_worker(payload: dict) -> None:
             clock.lap("forward_backward")
             engine.step()
             clock.lap("optimizer")
-            masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
-            tokens = sum(mask.sum() for mask in masks)
-            flops = sum(encoder_train_flops(encoder_config, m) for m in masks if m.dim() == 2) if counts_flops else 0
+            tokens, flops = batch_work(encoder_config, [v for k, v in batch.items() if k.endswith("attention_mask")])
             meter.add(len(keys), tokens, clock.take(), flops)
         step += 1
 
