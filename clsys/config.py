@@ -115,6 +115,9 @@ class ClusterConfig:
     # restart begins (Ray's TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, whose own default of 30 s a stuck
     # rank always uses up: it never answers).
     group_shutdown_timeout_s: int = 5
+    # A rank that has not answered Ray Train's health check (asked every 2 s) for this long is declared
+    # dead and the group fails: the watchdog for a stuck rank whose peers' collectives do not time out.
+    health_check_timeout_s: int = 600
     stop_poll_s: float = 5.0  # how often rank 0 looks for a stop request (<run>/STOP, written on SIGUSR1/SIGTERM)
 
 
@@ -235,6 +238,7 @@ class Config:
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("cluster.group_shutdown_timeout_s", self.cluster.group_shutdown_timeout_s > 0, "> 0"),
+            ("cluster.health_check_timeout_s", self.cluster.health_check_timeout_s > 0, "> 0"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),

@@ -29,6 +29,10 @@ import tempfile
 if not os.environ.get("RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's driver holds back a worker's line that looks like another worker's line (numbers masked) for up
+# to 5 s, to merge them into one "[repeated Nx]" line: "[clsys] rank 1/2: pid ..." came seconds after
+# rank 0's steps. The run's own lines are each rank's news, printed as they come.
+os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 from clsys import storage  # noqa: E402
 from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
@@ -93,6 +97,7 @@ def init_ray(cfg: Config) -> None:
     # gets to close before the workers are killed. A stuck rank never closes it, so every restart after
     # one waited Ray's whole default (30 s) for nothing.
     env["TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"] = str(cfg.cluster.group_shutdown_timeout_s)
+    env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.cluster.health_check_timeout_s)  # read there too
     # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}

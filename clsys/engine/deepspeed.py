@@ -17,9 +17,11 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    # DeepSpeed calls a collective under the name torch deprecated; the warning (twice a rank) is for DeepSpeed.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # DeepSpeed calls collectives under names torch deprecated (ZeRO-3 reduce-scatters at every step); the
+    # warnings are for DeepSpeed.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning)
     if get_accelerator().device_name() == "cpu":
         # On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce op (about a
         # minute of gcc on a cold cache). Plain gloo collectives give identical results, so skip it.
