@@ -2,12 +2,14 @@
 CPU → checkpoints and TensorBoard events on S3 → resume → export → AutoModel / SentenceTransformer."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,44 @@ def run(*args: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.Complete
     proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
     print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
     return proc
+
+
+def run_listening(*args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, set[tuple[str, int, str]]]:
+    """`run`, also recording every TCP socket listening in the driver's process tree while it runs (its
+    local Ray cluster, Ray Train's controller and workers, their DataLoader workers), as
+    (address, port, process name)."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    listening: set[tuple[str, int, str]] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.2):
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for process in tree:
+                try:
+                    listening.update((c.laddr.ip, c.laddr.port, process.name())
+                                     for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    stdout, stderr = proc.communicate(timeout=timeout)
+    done.set()
+    poller.join()
+    print(stdout[-4000:], stderr[-4000:], sep="\n")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listening
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +118,14 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
               "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
               "data.length_group_batches=3"]  # the resume at step 4 is in a window: it replays it
 
-    first = run("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true", "train.peak_tflops=0.5")
+    first, listening = run_listening("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true",
+                                     "train.peak_tflops=0.5")
     assert first.returncode == 0
+    # Every socket the run listens on (Ray's GCS, raylet, object manager, dashboard and its agents, the
+    # workers, the process group's rendezvous store and gloo) is on the loopback address.
+    exposed = sorted(entry for entry in listening if not is_loopback(entry[0]))
+    assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
+    assert any(name.startswith("ray::RayTrainWorker") for _, _, name in listening), listening  # workers were seen
     # A quiet console (this run starts its own local Ray cluster): the run's own lines, with elapsed time
     # and ETA, and none of the INFO chatter of Ray, Ray Train, torch and DeepSpeed that used to surround them.
     console = (first.stdout + first.stderr).splitlines()
