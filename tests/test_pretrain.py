@@ -131,6 +131,10 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     console = (first.stdout + first.stderr).splitlines()
     noise = [line for line in console if any(p in line for p in CONSOLE_NOISE)]
     assert not noise, f"{len(noise)} noise lines on the console, e.g. {noise[:3]}"
+    # Each rank's own line comes at once: Ray's driver held back a line resembling another worker's
+    # (numbers masked) for its dedup window, and rank 1's pid line came after the last step.
+    first_step = next(i for i, line in enumerate(console) if "[clsys] step 1/4" in line)
+    assert all(any(f"[clsys] rank {r}/2: pid" in line for line in console[:first_step]) for r in (0, 1)), console
     steps = [line for line in console if re.search(r"\[clsys\] step \d+/4 loss", line)]
     assert len(steps) == 4 and all(re.search(r"samples/s, \d+s elapsed, ETA \d+s$", line) for line in steps), steps
     run_url = f"{runs}/s3run"
