@@ -150,7 +150,8 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
         train_loop_config={"config": cfg.to_dict(), "resume": resume},
         # The collective watchdog: a rank stuck longer than this makes its peers' collectives fail,
         # which fails the worker group and (with cluster.max_restarts) restarts it from a checkpoint.
-        torch_config=BoundStoreTorchConfig(backend="nccl" if c.use_gpu else "gloo", timeout_s=c.collective_timeout_s),
+        torch_config=BoundStoreTorchConfig(backend="nccl" if c.use_gpu else "gloo",
+                                           timeout_s=c.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
         run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,

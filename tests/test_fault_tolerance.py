@@ -109,9 +109,10 @@ def test_stuck_rank_restarts_a_preemption_notice_stops_and_a_kill_mid_checkpoint
         shards, baseline, tmp_path):
     """ZeRO-2, file://, one restart allowed per start. Rank 1 stopped with SIGSTOP at step 3: the
     collective watchdog (or the health check) fails the group, whose shutdown waits 5 s for the stuck
-    rank, and it restarts from checkpoint 2. Then SIGUSR1 to the driver (SLURM's warning before the time limit): checkpoint at
-    the next step, exit 75. `--resume latest` continues, and kill -9 of rank 1 while its next checkpoint
-    is being written restarts it from the stop's checkpoint: the run ends as if nothing had happened."""
+    rank, and it restarts from checkpoint 2. Then SIGUSR1 to the driver (SLURM's warning before the
+    time limit): checkpoint at the next step, exit 75. `--resume latest` continues, and kill -9 of rank 1
+    while its next checkpoint is being written restarts it from the stop's checkpoint: the run ends as
+    if nothing had happened."""
     args = recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.stop_poll_s=0.2", "cluster.max_restarts=1")
     r = Run(args + ["cluster.collective_timeout_s=20", "cluster.health_check_timeout_s=35"])
     r.on_line(r"\[clsys\] step 3/", lambda: r.signal_rank(1, signal.SIGSTOP))

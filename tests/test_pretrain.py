@@ -42,13 +42,14 @@ def run_listening(*args: str, timeout: int = 600) -> tuple[subprocess.CompletedP
 
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    driver = psutil.Process(proc.pid)
     listening: set[tuple[str, int, str]] = set()
     done = threading.Event()
 
     def poll() -> None:
         while not done.wait(0.2):
             try:
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                tree = [driver, *driver.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
             for process in tree:
@@ -69,7 +70,7 @@ def run_listening(*args: str, timeout: int = 600) -> tuple[subprocess.CompletedP
 
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
-    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 is IPv4's loopback
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,13 @@ def _serve_store(world_size: int, timeout_s: int) -> tuple[str, int]:
 
 def _join_store(address: str, port: int) -> None:
     os.environ.update({"MASTER_ADDR": address, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    _set_torch_distributed_env_vars()  # RANK, LOCAL_RANK, WORLD_SIZE, ... as Ray Train sets them
 
 
 class _BoundStoreBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: TorchConfig) -> None:
         address, port = worker_group.execute_single(0, _serve_store, len(worker_group), backend_config.timeout_s)
         worker_group.execute(_join_store, address, port)
-        worker_group.execute(_set_torch_distributed_env_vars)
         ray.get([worker_group.execute_single_async(rank, _setup_torch_process_group, backend=backend_config.backend,
                                                    world_rank=rank, world_size=len(worker_group),
                                                    init_method="env://", timeout_s=backend_config.timeout_s)
