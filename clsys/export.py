@@ -22,8 +22,8 @@ import tempfile
 
 import torch
 
-from clsys import storage
-from clsys.engine.checkpoint import latest_checkpoint
+from clsys import integrity, storage
+from clsys.engine.checkpoint import latest_checkpoint, recorded_sums
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model_card import write_card
 from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
@@ -226,17 +226,28 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
     return {name: tensor.float() for name, tensor in saved["module"].items()}
 
 
+def check_checkpoint(url: str, local: str, meta: dict) -> None:
+    """Raise IntegrityError naming the files of the downloaded checkpoint ``local`` that differ from the
+    checksums its writer recorded (checkpoints written before clsys recorded any are not checked)."""
+    sums = recorded_sums(url, required="sums" in meta)
+    bad = integrity.differences(local, sums) if sums else []
+    if bad:
+        raise integrity.IntegrityError(f"{url}: damaged checkpoint, files differ from its {integrity.SUMS}: "
+                                       f"{'; '.join(bad)} (export another one: --checkpoint <step folder>)")
+
+
 def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]:
     """Write the encoder of ``checkpoint`` (see ``choose_checkpoint``) to ``out`` (local folder or URL);
     returns the step folder used and why it was chosen."""
     from transformers import AutoConfig
 
     url, chosen = choose_checkpoint(checkpoint, run)
-    meta = storage.read_json(storage.join(url, "clsys_state.json"))
     work = tempfile.mkdtemp(prefix="clsys-export-")
     try:
-        storage.download_dir(url, os.path.join(work, "ckpt"))
         ckpt = os.path.join(work, "ckpt")
+        storage.download_dir(url, ckpt)
+        meta = storage.read_json(os.path.join(ckpt, "clsys_state.json"))
+        check_checkpoint(url, ckpt, meta)
         state = checkpoint_weights(ckpt)
         hf_dir = os.path.join(ckpt, "hf")
         config = AutoConfig.from_pretrained(hf_dir)
@@ -253,6 +264,8 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         with open(os.path.join(folder, "clsys_export.json"), "w") as f:
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])
+        # The model card is left out: it is meant to be edited (evaluation tables, a hub's metadata).
+        integrity.write_folder_sums(folder, skip=lambda rel: rel == "README.md")
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -270,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
-    except (FileNotFoundError, RuntimeError, storage.StorageError, KeyError) as err:
+    except (FileNotFoundError, RuntimeError, storage.StorageError, integrity.IntegrityError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported {used} ({chosen}) -> {args.out}")

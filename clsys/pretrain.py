@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rank 0's steps. The run's own lines are each rank's news, printed as they come.
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
-from clsys import storage  # noqa: E402
+from clsys import integrity, storage  # noqa: E402
 from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         storage.check_bucket(run)
         resume = resolve_resume(cfg, run)
         stream = check_data(cfg)
+        if cfg.model.init == "pretrained":
+            from clsys.model.encoder import checked_model_path
+
+            checked_model_path(cfg.model.name)  # a damaged exported folder fails here, not in every worker
         clear_stop_marker(run)
         save_config(cfg, run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
@@ -376,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     from clsys.export import export
 
     exported = storage.join(run, "export")
-    used, chosen = export(run, exported)
+    try:
+        used, chosen = export(run, exported)
+    except (integrity.IntegrityError, storage.StorageError) as err:
+        print(f"error: training finished, but the export failed: {err}", file=sys.stderr)
+        return 1
     print(f"[clsys] exported {used} ({chosen})", flush=True)
     if cfg.eval.sts_test:
         with tempfile.TemporaryDirectory() as local:

@@ -213,11 +213,19 @@ def read_bytes(url: str) -> bytes:
 
 
 def read_json(url: str):
-    data = read_bytes(url)
+    return parse_json(read_bytes(url), url)
+
+
+def parse_json(data: bytes, url: str):
     try:
         return json.loads(data)
     except json.JSONDecodeError as err:
         raise StorageError(f"{url}: not valid JSON ({err})") from None
+
+
+def json_bytes(obj) -> bytes:
+    """How clsys writes JSON: indented, keys sorted, UTF-8."""
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode()
 
 
 def exists(url: str) -> bool:
@@ -253,7 +261,7 @@ def write_bytes(url: str, data: bytes) -> None:
 
 
 def write_json(url: str, obj) -> None:
-    write_bytes(url, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode())
+    write_bytes(url, json_bytes(obj))
 
 
 def upload_file(local_path: str, url: str) -> None:
@@ -281,7 +289,10 @@ def download_file(url: str, local_path: str) -> None:
         cfg = TransferConfig(num_download_attempts=ATTEMPTS)
         _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path, Config=cfg)
     else:
-        shutil.copyfile(loc.path, local_path)
+        try:
+            shutil.copyfile(loc.path, local_path)
+        except OSError as err:
+            raise StorageError(f"{url}: {err.strerror}") from None
 
 
 def list_prefix(url: str) -> Iterator[str]:
@@ -325,9 +336,14 @@ def upload_dir(local_dir: str, url: str) -> None:
 
 def download_dir(url: str, local_dir: str) -> None:
     base = parse(url).path.rstrip("/")
+    root = os.path.realpath(local_dir)
     for obj in list_prefix(url):
         rel = parse(obj).path[len(base):].lstrip("/")
-        download_file(obj, os.path.join(local_dir, rel))
+        target = os.path.realpath(os.path.join(root, rel))
+        # An S3 key may hold "../" (or start with "/"): it must not write outside the folder.
+        if os.path.commonpath([root, target]) != root or target == root:
+            raise StorageError(f"{obj}: the object's name leaves the folder it is downloaded into")
+        download_file(obj, target)
 
 
 def check_bucket(url: str) -> None:

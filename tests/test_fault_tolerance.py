@@ -86,8 +86,9 @@ def baseline(shards, tmp_path_factory):
 def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resumed_by_hand(shards, baseline,
                                                                                           tmp_path):
     """ZeRO-3, one restart allowed. kill -9 of rank 1 while checkpoint 4 is being written: the restart
-    resumes from 2. Then kill -9 of rank 0 at step 5: no restart is left, so the job dies (no export);
-    `--resume latest` finishes it, equal to the uninterrupted run."""
+    resumes from 2. Then kill -9 of rank 0 at step 5: no restart is left, so the job dies (no export).
+    Checkpoint 4 then rots on disk; `--resume latest` falls back to 2 and finishes the run, equal to the
+    uninterrupted one."""
     args = recipe(shards, tmp_path, "z3", "train.zero_stage=3")
     r = Run(args + ["cluster.max_restarts=1"])
     r.when(lambda: partial_checkpoint(f"file://{tmp_path}/z3", 4), lambda: r.signal_rank(1, signal.SIGKILL),
@@ -100,9 +101,18 @@ def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resu
     assert "resumed from" in result.output and "step-00000002" in result.output
     assert result.returncode == 1 and "error: training failed after 1 restart(s)" in result.output
     assert not (tmp_path / "z3" / "export").exists()
+    # A byte of rank 1's optimizer partition in checkpoint 4 flipped at rest: the resume checks every
+    # file against the checkpoint's SHA256SUMS, sets 4 aside and resumes from 2.
+    damaged = tmp_path / "z3" / "checkpoints" / "step-00000004" / "ds" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
     resumed = Run(args + ["train.resume=latest"]).wait()
-    assert resumed.returncode == 0 and "resumed from" in resumed.output
+    assert resumed.returncode == 0 and "resumed from" in resumed.output and "step-00000002 at step 2" in resumed.output
+    assert re.search(r"checkpoint \S+/step-00000004 is damaged \(ds/zero_pp_rank_1_mp_rank_00_optim_states.pt: "
+                     r"sha256 .*\); set aside", resumed.output), resumed.output[-3000:]
     assert_same_run(tmp_path / "z3", baseline[3])
+    assert not (damaged.parent.parent / "CORRUPT").exists(), "checkpoint 4, written again, kept the old folder's files"
 
 
 def test_stuck_rank_restarts_a_preemption_notice_stops_and_a_kill_mid_checkpoint_restarts_the_resume(
@@ -178,6 +188,7 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     assert result.returncode == 0
     assert f"written by 2 ranks, resharded for {workers}" in result.output
     assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/COMPLETE")
+    assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/SHA256SUMS")
     keys = [k for ks in sample_keys(run_dir).values() for k in ks]
     assert len(keys) == STEPS * batch and len(set(keys)) == len(keys), "a sample was consumed twice"
     assert {p.split("/")[0] for p in sample_key_files(run_dir) if p.endswith("step-00000008.txt")} == \

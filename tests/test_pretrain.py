@@ -252,6 +252,12 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_pa
     assert all(p.dtype == torch.float32 for p in trained.parameters())
     assert all(torch.isfinite(p).all() for p in trained.parameters())
     assert (tmp_path / "runs" / "z3" / "tensorboard").is_dir()
+    # The checkpoint and the export record their files' sha256 in a form coreutils checks too.
+    for folder, recorded in ((exported, "model.safetensors"),
+                             (tmp_path / "runs" / "z3" / "checkpoints" / "step-00000003",
+                              "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt")):
+        check = subprocess.run(["sha256sum", "--check", "SHA256SUMS"], cwd=folder, capture_output=True, text=True)
+        assert check.returncode == 0 and f"{recorded}: OK" in check.stdout, check.stdout + check.stderr
 
 
 @pytest.mark.parametrize("override,message", [

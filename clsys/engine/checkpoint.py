@@ -6,17 +6,21 @@ Layout, one folder per step:
         rank-00000.pt ...      per-rank RNG states and loader position (tensors/ints only)
         hf/                    model config + tokenizer, so that export needs nothing else
         clsys_state.json       step, world size, config, export pooling
+        SHA256SUMS             sha256 of every file above (clsys.integrity)
         COMPLETE               written last, by rank 0, after every rank has uploaded
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
-previous checkpoint as the one resumed from. Older complete checkpoints beyond
+previous checkpoint as the one resumed from. Every rank checks the files it downloads against
+SHA256SUMS; when a rank finds one changed or missing and an older checkpoint passes the same check,
+the damaged one is set aside (its COMPLETE marker replaced by a CORRUPT file naming the bad files)
+and training resumes from the older one. Older complete checkpoints beyond
 ``train.keep_checkpoints`` are deleted only after the new one is complete.
 
 Elastic resume (a different number of ranks than wrote the checkpoint): rank 0 converts ``ds/`` to a
 DeepSpeed *universal* checkpoint (parameters and Adam moments as whole fp32 tensors, one file per
 parameter, any ZeRO stage) once, stores it as ``universal/`` next to ``ds/`` (its own COMPLETE
-marker last), and every rank loads its new partition from it. Dropout RNG streams cannot carry
-over to a different rank count, so ranks start fresh ones; the data position is remapped by the
-loader (``clsys.data.streaming``).
+marker last, its own SHA256SUMS before it), and every rank loads its new partition from it. Dropout
+RNG streams cannot carry over to a different rank count, so ranks start fresh ones; the data
+position is remapped by the loader (``clsys.data.streaming``).
 """
 from __future__ import annotations
 
@@ -27,11 +31,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from clsys import storage
+from clsys import integrity, storage
+from clsys.integrity import SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
 
@@ -77,22 +83,39 @@ def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files
     Keeps the newest ``keep`` complete checkpoints, and ``protect`` (the best one) whatever its age.
     """
     rank, url = dist.get_rank(), step_url(run_url, step)
+    if rank == 0 and next(storage.list_prefix(url), None) is not None:
+        # Left by a write cut short, or set aside as damaged: none of its files may mix with the new ones.
+        delete_checkpoint(url)
     local = tempfile.mkdtemp(prefix="clsys-ckpt-")
     try:
         engine.save_checkpoint(local, tag="ds", client_state={"step": step})
         torch.save(rank_state, os.path.join(local, f"rank-{rank:05d}.pt"))
         if rank == 0:
             hf_files(os.path.join(local, "hf"))
+            with open(os.path.join(local, "clsys_state.json"), "wb") as f:
+                f.write(storage.json_bytes({**meta, "step": step, "sums": SUMS}))
+        everyone = [None] * dist.get_world_size()
+        # Also keeps every rank from uploading before rank 0 has cleared the folder.
+        dist.all_gather_object(everyone, integrity.folder_sums(local))
         storage.upload_dir(local, url)
     finally:
         shutil.rmtree(local, ignore_errors=True)
     dist.barrier()
     if rank == 0:
-        storage.write_json(storage.join(url, "clsys_state.json"), {**meta, "step": step})
+        storage.write_bytes(storage.join(url, SUMS), integrity.format_sums(_merged(everyone, url)))
         storage.write_bytes(storage.join(url, "COMPLETE"), b"")
         prune(run_url, keep, protect)
     dist.barrier()
     return url
+
+
+def _merged(rank_sums: list[dict[str, str]], url: str) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for sums in rank_sums:
+        for rel, digest in sums.items():
+            if merged.setdefault(rel, digest) != digest:
+                raise RuntimeError(f"{url}: two ranks wrote different contents to {rel}")
+    return merged
 
 
 def prune(run_url: str, keep: int, protect: str | None = None) -> None:
@@ -112,57 +135,157 @@ def delete_checkpoint(url: str) -> None:
         storage.delete(url)
 
 
-def saved_world_size(url: str) -> int:
-    return int(storage.read_json(storage.join(url, "clsys_state.json"))["world_size"])
+def set_aside(url: str, problems: list[str]) -> None:
+    """Make a damaged checkpoint invisible to resume and pruning, keeping its files for a post-mortem."""
+    storage.write_bytes(storage.join(url, "CORRUPT"), "".join(f"{p}\n" for p in problems).encode())
+    storage.delete(storage.join(url, "COMPLETE"))
 
 
-def _ensure_universal(url: str) -> str:
-    """Collective: the universal form of ``url``'s DeepSpeed checkpoint, converted once by rank 0."""
-    universal = storage.join(url, "universal")
+def recorded_sums(url: str, required: bool) -> dict[str, str] | None:
+    """The checksums recorded in folder ``url``'s SHA256SUMS; None for a folder written without one
+    (by an older clsys), which is read unverified. ``required``: the folder's writer recorded them,
+    so a missing file is damage."""
+    sums_url = storage.join(url, SUMS)
+    if not required and not storage.exists(sums_url):
+        return None
+    return integrity.parse_sums(storage.read_bytes(sums_url), sums_url)
+
+
+def _agreed(problems: list[str]) -> list[str]:
+    """Collective: every rank's problems, so that all ranks take the same decision."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for rank_problems in everyone for p in rank_problems})
+
+
+def _ensure_universal(url: str, sums: dict[str, str] | None) -> list[str]:
+    """Collective: convert ``url``'s DeepSpeed checkpoint to ``universal/`` once (rank 0), from a
+    ``ds/`` checked against ``sums``; returns the problems found on the way (every rank the same)."""
+    universal, problems = storage.join(url, "universal"), []
     if dist.get_rank() == 0 and not storage.exists(storage.join(universal, "COMPLETE")):
         work = tempfile.mkdtemp(prefix="clsys-universal-")
         try:
-            storage.download_dir(storage.join(url, "ds"), os.path.join(work, "in"))
-            # DeepSpeed's converter, as a process: its options change between versions, its CLI less.
-            # --inject_missing_state: the converter expects Megatron's parallelism metadata, which a
-            # plain data-parallel model does not write; the defaults it injects are the right ones.
-            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   os.path.join(work, "in"), "--output_folder", os.path.join(work, "out", "ds"),
-                                   "--inject_missing_state"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{url}: conversion to a universal checkpoint failed:\n{proc.stderr[-2000:]}")
-            storage.upload_dir(os.path.join(work, "out"), universal)
-            storage.write_bytes(storage.join(universal, "COMPLETE"), b"")
+            storage.download_dir(storage.join(url, "ds"), os.path.join(work, "in", "ds"))
+            if sums is not None:
+                problems = integrity.differences(os.path.join(work, "in"), sums, lambda rel: rel.startswith("ds/"))
+            if not problems:
+                _convert_to_universal(url, os.path.join(work, "in", "ds"), os.path.join(work, "out"))
+                storage.upload_dir(os.path.join(work, "out"), universal)
+                storage.write_bytes(storage.join(universal, "COMPLETE"), b"")
+        except storage.StorageError as err:
+            problems = [str(err)]
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    dist.barrier()
-    return universal
+    return _agreed(problems)
 
 
-def load(engine, url: str, world_size: int) -> tuple[int, dict]:
-    """Collective: restore model/optimizer/scheduler; returns (step, this rank's saved state).
+def _convert_to_universal(url: str, ds_folder: str, out: str) -> None:
+    # DeepSpeed's converter, as a process: its options change between versions, its CLI less.
+    # --inject_missing_state: the converter expects Megatron's parallelism metadata, which a
+    # plain data-parallel model does not write; the defaults it injects are the right ones.
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ds_folder,
+                           "--output_folder", os.path.join(out, "ds"), "--inject_missing_state"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{url}: conversion to a universal checkpoint failed:\n{proc.stderr[-2000:]}")
+    integrity.write_folder_sums(out)
 
-    With the rank count that wrote ``url`` every rank gets back its own RNG and loader state. With
-    another count (``engine`` built with ``load_universal``) the weights and optimizer are resharded
-    and every rank gets rank 0's loader state (all ranks stand at the same position) and no RNG state.
-    """
-    saved = saved_world_size(url)
-    rank = dist.get_rank()
-    local = tempfile.mkdtemp(prefix="clsys-restore-")
+
+@dataclass
+class Fetched:
+    """A checkpoint downloaded and checked: what this rank restores from ``folder``."""
+
+    url: str
+    step: int
+    saved_world: int  # the rank count that wrote it
+    folder: str  # local: ds/ (or the universal form's ds/) and this rank's state file
+    rank_file: str
+
+
+def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
+    """Collective: download what this rank needs from checkpoint ``url`` and check it against the
+    recorded checksums; (the download, []) or (None, the problems any rank found)."""
+    rank, local = dist.get_rank(), tempfile.mkdtemp(prefix="clsys-restore-")
+    sums, state, problems = None, {}, []
     try:
-        if saved == world_size:
-            storage.download_dir(storage.join(url, "ds"), os.path.join(local, "ds"))
-            rank_file = f"rank-{rank:05d}.pt"
-        else:
-            storage.download_dir(_ensure_universal(url), local)
-            rank_file = "rank-00000.pt"
-        path, client = engine.load_checkpoint(local, tag="ds")
-        if path is None:
-            raise RuntimeError(f"{url}: DeepSpeed could not load the checkpoint")
-        storage.download_file(storage.join(url, rank_file), os.path.join(local, rank_file))
-        rank_state = torch.load(os.path.join(local, rank_file), weights_only=True)
-    finally:
+        storage.download_file(storage.join(url, "clsys_state.json"), os.path.join(local, "clsys_state.json"))
+        with open(os.path.join(local, "clsys_state.json"), "rb") as f:
+            state = storage.parse_json(f.read(), storage.join(url, "clsys_state.json"))
+        # A SHA256SUMS file damaged or deleted after the fact reads as "recorded, but wrong or missing".
+        sums = recorded_sums(url, required="sums" in state)
+        if sums is not None:
+            problems = integrity.differences(local, sums, lambda rel: rel == "clsys_state.json")
+    except (storage.StorageError, integrity.IntegrityError) as err:
+        problems = [str(err)]
+    problems = _agreed(problems)
+    if not problems and state["world_size"] != world:
+        problems = _ensure_universal(url, sums)
+    if problems:
         shutil.rmtree(local, ignore_errors=True)
-    if saved != world_size:
+        return None, problems
+
+    saved = int(state["world_size"])
+    rank_file = f"rank-{rank if saved == world else 0:05d}.pt"
+    try:
+        if saved == world:
+            storage.download_dir(storage.join(url, "ds"), os.path.join(local, "ds"))
+            if sums is not None:
+                problems = integrity.differences(local, sums, lambda rel: rel.startswith("ds/"))
+        else:
+            universal = storage.join(url, "universal")
+            storage.download_dir(universal, local)
+            universal_sums = recorded_sums(universal, required=sums is not None)
+            if universal_sums is not None:
+                problems = [f"universal/{p}" for p in integrity.differences(local, universal_sums)]
+        storage.download_file(storage.join(url, rank_file), os.path.join(local, rank_file))
+        if sums is not None:
+            problems += integrity.differences(local, sums, lambda rel: rel == rank_file)
+    except (storage.StorageError, integrity.IntegrityError) as err:
+        problems.append(str(err))
+    problems = _agreed(problems)
+    if problems:
+        shutil.rmtree(local, ignore_errors=True)
+        return None, problems
+    return Fetched(url, int(state["step"]), saved, local, rank_file), []
+
+
+def fetch_intact(candidates: list[str], world: int) -> Fetched | None:
+    """Collective: the newest of ``candidates`` (checkpoint URLs, newest first) whose files are intact.
+
+    A damaged one is set aside (``set_aside``) once an older one passes, and named in a warning; when
+    none passes, nothing is set aside and RuntimeError lists what was found. None: no candidates."""
+    damaged = []
+    for url in candidates:
+        fetched, problems = _fetch(url, world)
+        if fetched is None:
+            damaged.append((url, problems))
+            continue
+        if dist.get_rank() == 0:
+            for bad, bad_problems in damaged:
+                set_aside(bad, bad_problems)
+                print(f"[clsys] warning: checkpoint {bad} is damaged ({'; '.join(bad_problems)}); set aside "
+                      f"(its COMPLETE marker replaced by a CORRUPT file), resuming from {url} instead", flush=True)
+        return fetched
+    if damaged:
+        raise RuntimeError("no intact checkpoint to resume from: " +
+                           " | ".join(f"{url}: {'; '.join(problems)}" for url, problems in damaged))
+    return None
+
+
+def load(engine, fetched: Fetched, world_size: int) -> dict:
+    """Restore model/optimizer/scheduler from ``fetched`` (removing the local copy); this rank's saved state.
+
+    With the rank count that wrote it every rank gets back its own RNG and loader state. With another
+    count (``engine`` built with ``load_universal``) the weights and optimizer are resharded and every
+    rank gets rank 0's loader state (all ranks stand at the same position) and no RNG state.
+    """
+    try:
+        path, _ = engine.load_checkpoint(fetched.folder, tag="ds")
+        if path is None:
+            raise RuntimeError(f"{fetched.url}: DeepSpeed could not load the checkpoint")
+        rank_state = torch.load(os.path.join(fetched.folder, fetched.rank_file), weights_only=True)
+    finally:
+        shutil.rmtree(fetched.folder, ignore_errors=True)
+    if fetched.saved_world != world_size:
         rank_state = {"loader": rank_state["loader"]}
-    return int(client["step"]), rank_state
+    return rank_state

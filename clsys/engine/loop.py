@@ -40,14 +40,17 @@ def local_tensorboard_dir(cfg: Config) -> str:
     return tempfile.mkdtemp(prefix=f"clsys-tensorboard-{cfg.train.name.replace('/', '-')}-")
 
 
-def _choose_resume(run: str, requested: str | None) -> str | None:
-    """This run's newest complete checkpoint (written before a worker failure), else the requested one.
+def _resume_candidates(run: str, requested: str | None) -> list[str]:
+    """Where to resume from, in order of preference: this run's complete checkpoints (written before a
+    worker failure), newest first, then the requested one (the run's start).
 
-    Rank 0 decides and broadcasts, so that every rank restores the same step.
+    Rank 0 lists and broadcasts, so that every rank tries the same checkpoints.
     """
-    choice = [None]
+    choice = [[]]
     if dist.get_rank() == 0:
-        choice[0] = checkpoint.latest_checkpoint(run) or requested
+        choice[0] = [url for _, url in reversed(checkpoint.complete_checkpoints(run))]
+        if requested and requested not in choice[0]:
+            choice[0].append(requested)
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
@@ -119,8 +122,8 @@ def train_worker(payload: dict) -> None:
     precision = step_precision(cfg)  # what train.precision: auto means on this worker's device
     print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
           f"precision {precision}", flush=True)
-    resume = _choose_resume(run, payload.get("resume"))
-    saved_world = checkpoint.saved_world_size(resume) if resume else world
+    resume = checkpoint.fetch_intact(_resume_candidates(run, payload.get("resume")), world)
+    saved_world = resume.saved_world if resume else world
     engine = build_engine(objective, cfg, load_universal=saved_world != world)
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
     loader = objective.loader(cfg, rank, world)
@@ -130,13 +133,13 @@ def train_worker(payload: dict) -> None:
 
     step = 0
     if resume:
-        step, rank_state = checkpoint.load(engine, resume, world)
+        step, rank_state = resume.step, checkpoint.load(engine, resume, world)
         if "rng" in rank_state:  # absent after a change of rank count: fresh streams, seeded above
             checkpoint.set_rng_state(rank_state["rng"])
         loader.load_state_dict(rank_state["loader"])
         if rank == 0:
             elastic = f" (written by {saved_world} ranks, resharded for {world})" if saved_world != world else ""
-            print(f"[clsys] resumed from {resume} at step {step}{elastic}", flush=True)
+            print(f"[clsys] resumed from {resume.url} at step {step}{elastic}", flush=True)
 
     tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
     tb = TensorBoard(tb_dir)

@@ -34,6 +34,17 @@ def resolve_model_path(name: str) -> str:
     return expanded if os.path.exists(expanded) else name
 
 
+def checked_model_path(name: str) -> str:
+    """``resolve_model_path(name)``, checked against the folder's SHA256SUMS when it has one (a clsys
+    export does): IntegrityError names the files that differ."""
+    from clsys.integrity import check_folder
+
+    path = resolve_model_path(name)
+    if os.path.isdir(path):
+        check_folder(path)
+    return path
+
+
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, kind: str) -> torch.Tensor:
     """Reduce ``hidden`` [batch, seq, dim] to [batch, dim] over the tokens where the mask is 1."""
     if kind == "cls":
@@ -76,7 +87,7 @@ def load_encoder(name: str, **overrides) -> nn.Module:
     from transformers import AutoConfig, AutoModel
 
     _quiet_transformers()
-    path = resolve_model_path(name)
+    path = checked_model_path(name)
     config = AutoConfig.from_pretrained(path, **overrides)
     return with_global_attention(AutoModel.from_pretrained(path, config=config, **_without_pooler(config)), path)
 
@@ -99,7 +110,7 @@ def _training_config(model_cfg, tokenizer):
     from transformers import AutoConfig
 
     _quiet_transformers()
-    path = resolve_model_path(model_cfg.name)
+    path = checked_model_path(model_cfg.name)
     config = AutoConfig.from_pretrained(path, **model_overrides(model_cfg))
     if model_cfg.init == "scratch":
         config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
