@@ -119,6 +119,9 @@ class ClusterConfig:
     # dead and the group fails: the watchdog for a stuck rank whose peers' collectives do not time out.
     health_check_timeout_s: int = 600
     stop_poll_s: float = 5.0  # how often rank 0 looks for a stop request (<run>/STOP, written on SIGUSR1/SIGTERM)
+    # The driver holds <run>/LEASE while it runs, renewed every third of this; a second driver on the
+    # run exits, and one left unrenewed this long (its driver died) is taken over. 0: no lease.
+    lease_ttl_s: float = 60.0
 
 
 @dataclass
@@ -239,6 +242,7 @@ class Config:
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("cluster.group_shutdown_timeout_s", self.cluster.group_shutdown_timeout_s > 0, "> 0"),
             ("cluster.health_check_timeout_s", self.cluster.health_check_timeout_s > 0, "> 0"),
+            ("cluster.lease_ttl_s", self.cluster.lease_ttl_s >= 0, ">= 0 (0 = no lease)"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),

@@ -37,6 +37,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 from clsys import integrity, storage  # noqa: E402
 from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
+from clsys.lease import LEASE, Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
 
 # Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
@@ -215,7 +216,9 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
                 seeded.train.name = f"{cfg.train.name}/seed-{seeded.train.seed}"
             run = run_url(seeded)
             storage.check_bucket(run)
-            if cfg.train.resume != "latest" and next(iter(storage.list_prefix(run)), None) is not None:
+            # This driver's lease (and its lock file, on a filesystem) is not a sign of an earlier run.
+            earlier = (url for url in storage.list_prefix(run) if not url.rpartition("/")[2].startswith(LEASE))
+            if cfg.train.resume != "latest" and next(earlier, None) is not None:
                 raise ConfigError(f"{run} already exists: pass --resume latest to continue it (complete stages "
                                   f"are kept), or choose another train.name")
             runs.append((seeded, run))
@@ -344,10 +347,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
-        if cfg.objective.name == "css_lm":
-            return run_css_lm(cfg, args.repeats)
         run = run_url(cfg)
         storage.check_bucket(run)
+        run_lease = Lease(run, cfg.cluster.lease_ttl_s)
+        if cfg.cluster.lease_ttl_s:
+            run_lease.acquire()
+    except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if cfg.objective.name == "css_lm":
+            return run_css_lm(cfg, args.repeats)
+        return run_and_export(cfg, run, started_in)
+    finally:
+        run_lease.release()
+
+
+def run_and_export(cfg: Config, run: str, started_in: str) -> int:
+    """Train (resuming as configured), export, and compare on STS; the driver's exit code."""
+    try:
         resume = resolve_resume(cfg, run)
         stream = check_data(cfg)
         if cfg.model.init == "pretrained":

@@ -13,7 +13,9 @@ credentials) are not retried and raise StorageError naming the URL.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import io
 import json
 import os
@@ -258,6 +260,95 @@ def write_bytes(url: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, loc.path)
+
+
+def _precondition_failed(err: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    # 412: the condition did not hold; 409: another conditional write to the key was in flight (AWS).
+    return isinstance(err, ClientError) and err.response.get("Error", {}).get("Code") in (
+        "PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    """An exclusive lock around a compare-and-swap on a local (or NFS) file, held by a sidecar file."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _file_etag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def read_versioned(url: str) -> tuple[bytes, str] | None:
+    """(content, version tag) of the object, None when there is none; the tag is what ``write_if`` compares."""
+    loc = parse(url)
+    if loc.scheme == "s3":
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = s3_client().get_object(Bucket=loc.bucket, Key=loc.path)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise _s3_error(url, err) from None
+        return resp["Body"].read(), resp["ETag"]
+    try:
+        with open(loc.path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    return data, _file_etag(data)
+
+
+def write_if(url: str, data: bytes, version: str | None) -> str | None:
+    """Compare-and-swap: write ``data`` only if the object is absent (``version`` None) or still at
+    ``version``; the new version tag, or None when the condition did not hold. S3 conditional writes
+    (If-None-Match / If-Match); a file under an exclusive lock."""
+    loc = parse(url)
+    if loc.scheme == "s3":
+        from botocore.exceptions import ClientError
+
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            return s3_client().put_object(Bucket=loc.bucket, Key=loc.path, Body=data, **condition)["ETag"]
+        except ClientError as err:
+            if _precondition_failed(err) or (version is not None and
+                                             err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")):
+                return None
+            raise _s3_error(url, err) from None
+    with _file_lock(loc.path):
+        current = read_versioned(url)
+        if (current[1] if current else None) != version:
+            return None
+        write_bytes(url, data)
+    return _file_etag(data)
+
+
+def delete_if(url: str, version: str) -> bool:
+    """Delete the object if it is still at ``version``; whether it was."""
+    loc = parse(url)
+    if loc.scheme == "s3":
+        from botocore.exceptions import ClientError
+
+        try:
+            s3_client().delete_object(Bucket=loc.bucket, Key=loc.path, IfMatch=version)
+            return True
+        except ClientError as err:
+            if _precondition_failed(err) or err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return False
+            raise _s3_error(url, err) from None
+    with _file_lock(loc.path):
+        current = read_versioned(url)
+        if current is None or current[1] != version:
+            return False
+        os.remove(loc.path)
+    return True
 
 
 def write_json(url: str, obj) -> None:

@@ -19,6 +19,7 @@ import yaml
 from clsys import storage
 from clsys.config import load_config
 from clsys.engine.checkpoint import complete_checkpoints
+from faults import Run
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = sorted((REPO / "data_prep" / "samples").glob("*.bz2"))
@@ -171,11 +172,19 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     # A fresh run over existing checkpoints is refused; --resume latest continues from step 4.
     again = run("-m", "clsys.pretrain", *common, "train.steps=6")
     assert again.returncode == 2 and "--resume latest" in again.stderr
-    resumed = run("-m", "clsys.pretrain", *common, "train.steps=6", "train.keep_checkpoints=1", "--resume", "latest")
+    # While it runs, a second driver on the same run finds the lease renewed and leaves it alone.
+    resuming = Run([*common, "train.steps=6", "train.keep_checkpoints=1", "cluster.lease_ttl_s=3",
+                    "--resume", "latest"])
+    second = []
+    resuming.on_line(r"\[clsys\] run ", lambda: second.append(run("-m", "clsys.pretrain", *common, "train.steps=6",
+                                                                   "--resume", "latest")))
+    resumed = resuming.wait()
     assert resumed.returncode == 0
+    assert second[0].returncode == 2 and f"in use by another driver (pid {resuming.proc.pid} on " in second[0].stderr
+    assert not storage.exists(f"{run_url}/LEASE"), "the lease outlived its driver"
     restarted = yaml.safe_load(storage.read_bytes(f"{run_url}/config.yaml"))  # this start's config
     assert (restarted["train"]["steps"], restarted["train"]["resume"]) == (6, "latest")
-    assert "step-00000004 at step 4" in resumed.stdout + resumed.stderr
+    assert "step-00000004 at step 4" in resumed.output
 
     # eval.select (default: the dev STS Spearman, max): best.json names the first step with the highest
     # dev score over both runs (the restart compared with the first run's record), and that checkpoint

@@ -1,0 +1,70 @@
+"""One driver per run: the compare-and-swap writes the lease is built on, and the lease between real
+processes on file:// and on a real S3 server (moto on 127.0.0.1, which enforces If-None-Match and
+If-Match as S3 does). tests/test_pretrain.py starts a second `python -m clsys.pretrain` beside a
+running one and sees it refused."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from clsys import storage
+from clsys.lease import LEASE, Lease, LeaseHeld
+
+HOLD = """
+import sys, time
+from clsys.lease import Lease
+Lease(sys.argv[1], float(sys.argv[2])).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture(params=["file", "s3"])
+def run_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/run"
+    return f"{request.getfixturevalue('s3_bucket')}/run"
+
+
+def test_compare_and_swap_writes(run_url):
+    url = storage.join(run_url, "object")
+    first = storage.write_if(url, b"one", None)
+    assert first is not None and storage.read_versioned(url) == (b"one", first)
+    assert storage.write_if(url, b"two", None) is None, "created over an existing object"
+    second = storage.write_if(url, b"two", first)
+    assert second is not None and storage.read_bytes(url) == b"two"
+    assert storage.write_if(url, b"three", first) is None, "replaced a version that was no longer current"
+    assert storage.delete_if(url, first) is False and storage.exists(url)
+    assert storage.delete_if(url, second) is True and storage.read_versioned(url) is None
+    assert storage.write_if(url, b"four", second) is None, "replaced an object that was gone"
+
+
+def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
+    """A holds the lease (time-to-live 3 s, renewed every second). B finds it renewed and gives up,
+    naming A. A stopped (SIGSTOP) past the time-to-live: B takes the lease over; A, continued, finds
+    its renewal refused and exits at once."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, run_url, "3"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(LeaseHeld, match=f"in use by another driver \\(pid {holder.pid} on "):
+            Lease(run_url, 3.0).acquire(poll_s=0.1)
+
+        holder.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        taker = Lease(run_url, 30.0, on_lost=lambda lease: pytest.fail("the new holder lost the lease"))
+        taker.acquire(poll_s=0.1)
+        assert 3 < time.monotonic() - started < 15
+        assert storage.read_json(storage.join(run_url, LEASE))["holder"] == taker.record["holder"]
+        holder.send_signal(signal.SIGCONT)
+        assert holder.wait(timeout=10) == 1
+        assert f"this driver lost its lease (not renewed for 3 s) to pid {taker.record['pid']}" in holder.stderr.read()
+        taker.release()
+        assert storage.read_versioned(storage.join(run_url, LEASE)) is None
+    finally:
+        holder.kill()
+        holder.wait()
