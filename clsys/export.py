@@ -23,7 +23,7 @@ import tempfile
 import torch
 
 from clsys import integrity, storage
-from clsys.engine.checkpoint import latest_checkpoint, recorded_sums
+from clsys.engine.checkpoint import latest_checkpoint, recorded_sums, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model_card import write_card
 from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
@@ -220,7 +220,8 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
     if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
         # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
         # nothing the export's own line does not; errors still raise.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                weights_only_loads():
             return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
     saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
     return {name: tensor.float() for name, tensor in saved["module"].items()}

@@ -145,7 +145,10 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
     c = cfg.cluster
     run = storage.parse(run_url(cfg))
     # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
-    ray_dir = os.path.join(run.path, "ray") if run.scheme == "file" else os.path.abspath(os.path.join("runs", "ray"))
+    # Not under the driver's working folder: `ray job submit` on several raylets of one machine replaces
+    # it while the driver runs (see main).
+    ray_dir = os.path.join(run.path, "ray") if run.scheme == "file" else os.path.join(tempfile.gettempdir(),
+                                                                                      "clsys-ray")
     trainer = TorchTrainer(
         worker,
         train_loop_config={"config": cfg.to_dict(), "resume": resume},

@@ -253,13 +253,26 @@ def write_bytes(url: str, data: bytes) -> None:
     if loc.scheme == "s3":
         _s3_call(url, s3_client().put_object, Bucket=loc.bucket, Key=loc.path, Body=data)
         return
-    os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-    tmp = f"{loc.path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, loc.path)
+    _replace_file(url, lambda f: f.write(data))
+
+
+def _replace_file(url: str, fill) -> None:
+    """Write the local file of ``url`` atomically: ``fill(f)`` writes a temporary file beside it, which
+    is flushed to disk and renamed over it. A failure (a full disk, a read-only mount) removes the
+    temporary file, leaves the old file as it was and raises StorageError naming ``url``."""
+    path = parse(url).path
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
 
 
 def _precondition_failed(err: Exception) -> bool:
@@ -364,10 +377,8 @@ def upload_file(local_path: str, url: str) -> None:
         cfg = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
         _s3_call(url, s3_client().upload_file, local_path, loc.bucket, loc.path, Config=cfg)
         return
-    os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-    tmp = f"{loc.path}.tmp-{os.getpid()}"
-    shutil.copyfile(local_path, tmp)
-    os.replace(tmp, loc.path)
+    with open(local_path, "rb") as source:
+        _replace_file(url, lambda f: shutil.copyfileobj(source, f, 1 << 20))
 
 
 def download_file(url: str, local_path: str) -> None:
@@ -378,12 +389,16 @@ def download_file(url: str, local_path: str) -> None:
 
         # s3transfer restarts a download part whose body breaks (botocore does not), ATTEMPTS times.
         cfg = TransferConfig(num_download_attempts=ATTEMPTS)
-        _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path, Config=cfg)
-    else:
         try:
-            shutil.copyfile(loc.path, local_path)
-        except OSError as err:
-            raise StorageError(f"{url}: {err.strerror}") from None
+            _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path, Config=cfg)
+        except OSError as err:  # the local side: a full disk
+            raise StorageError(f"{url}: downloading to {local_path} failed: {err.strerror or err}") from None
+        return
+    try:
+        shutil.copyfile(loc.path, local_path)
+    except OSError as err:
+        where = "" if err.filename == loc.path else f" (to {local_path})"
+        raise StorageError(f"{url}: {err.strerror}{where}") from None
 
 
 def list_prefix(url: str) -> Iterator[str]:

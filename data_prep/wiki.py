@@ -335,6 +335,9 @@ def main(args: argparse.Namespace) -> int:
             urls = {name: writer.write_manifest(job.manifest_extra()) for name, writer in job.streams.items()}
     except (StorageError, BadIndex) as err:  # a BadIndex found while reading: no manifest is written
         return cli.fail("wiki", str(err))
+    except OSError as err:  # shards are built in a local temporary folder before they are uploaded
+        return cli.fail("wiki", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
+                                f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")
     _summary(job, urls, time.time() - start)
     return 3 if faulty and not args.allow_truncated else 0
 

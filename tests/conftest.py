@@ -171,3 +171,37 @@ def loopback_ray_cluster(head_cpus: int):
         yield cluster, {"RAY_ADDRESS": cluster.address, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     finally:
         cluster.shutdown()
+
+
+class TwoRankCheckpoints:
+    """Inside one of two processes (``torch.multiprocessing.spawn``): a gloo group on 127.0.0.1 and a real
+    DeepSpeed ZeRO-2 engine (CPU) on the ``tiny`` BERT, saving checkpoints as a training worker does, with
+    its rank in the loader state so that a restore shows whose state came back."""
+
+    def __init__(self, rank: int, port: int, tiny: str):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+        from clsys.config import load_config
+        from clsys.engine.deepspeed import build_engine, init_distributed
+        from clsys.model.encoder import load_tokenizer
+        from clsys.objectives import OBJECTIVES
+
+        init_distributed()
+        cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
+                                 "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=2", "train.batch_size=8",
+                                 "train.zero_stage=2"])
+        self.rank = rank
+        self.engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
+
+    def save(self, run: str, step: int) -> str:
+        from clsys.engine import checkpoint
+
+        return checkpoint.save(self.engine, run, step, {"loader": {"rank": self.rank}}, {"world_size": 2},
+                               lambda folder: None, keep=10)
+
+    def resume(self, candidates: list[str]) -> tuple[int, dict]:
+        """(step, loader state) restored from the first intact checkpoint of ``candidates``."""
+        from clsys.engine import checkpoint
+
+        fetched = checkpoint.fetch_intact(candidates, 2)
+        return fetched.step, checkpoint.load(self.engine, fetched, 2)["loader"]

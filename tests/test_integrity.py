@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import torch.multiprocessing as mp
 
 from clsys import integrity, storage
 from clsys.integrity import SUMS, IntegrityError
-from tests.conftest import free_port
+from tests.conftest import TwoRankCheckpoints, free_port
 
 OPTIM_RANK_1 = "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"  # ZeRO-2: rank 1's optimizer partition
 
@@ -78,26 +77,13 @@ def test_evaluate_refuses_a_damaged_exported_folder(tmp_path, capsys):
 
 
 def _damage_and_resume(rank: int, port: int, tiny: str, runs: list[str], out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
     import torch.distributed as dist
 
-    from clsys.config import load_config
     from clsys.engine import checkpoint
-    from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.loop import _resume_candidates
-    from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
 
-    init_distributed()
-    cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
-                             "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=2", "train.batch_size=8",
-                             "train.zero_stage=2"])
-    engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
-
-    def save(run: str, step: int) -> str:
-        return checkpoint.save(engine, run, step, {"loader": {"rank": rank}}, {"world_size": 2}, lambda folder: None,
-                               keep=10)
+    ranks = TwoRankCheckpoints(rank, port, tiny)
+    save = ranks.save
 
     def resume(run: str, damage) -> dict:
         """Rank 0 damages the run's checkpoints; then every rank resumes the way a restarted worker does."""
@@ -107,9 +93,7 @@ def _damage_and_resume(rank: int, port: int, tiny: str, runs: list[str], out: di
         printed, result = io.StringIO(), {}
         try:
             with contextlib.redirect_stdout(printed):
-                fetched = checkpoint.fetch_intact(_resume_candidates(run, None), 2)
-            result["step"] = fetched.step
-            result["loader"] = checkpoint.load(engine, fetched, 2)["loader"]
+                result["step"], result["loader"] = ranks.resume(_resume_candidates(run, None))
         except RuntimeError as err:
             result["error"] = str(err)
         dist.barrier()
@@ -178,3 +162,38 @@ def test_an_s3_key_with_dot_dot_cannot_write_outside_the_download_folder(s3_buck
     with pytest.raises(storage.StorageError, match=r"ckpt/sub/\.\./\.\./\.\./escaped\.txt: the object's name leaves"):
         storage.download_dir(f"{s3_bucket}/ckpt", str(tmp_path / "download" / "in"))
     assert not list(tmp_path.rglob("escaped.txt"))
+
+
+class _Payload:
+    """What a hostile checkpoint file holds: unpickling it runs code (here: creates a file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return Path.touch, (Path(self.marker),)
+
+
+def test_deepspeed_checkpoint_loads_never_run_code_from_the_files(tmp_path):
+    """DeepSpeed unpickles its checkpoint files with weights_only=False. clsys loads them (resume,
+    export, the universal conversion) with every torch.load restricted to tensors, containers and
+    DeepSpeed's record classes: a file replaced on shared storage (its SHA256SUMS with it) is refused,
+    never run. Before, export ran the payload."""
+    import pickle
+
+    import torch
+
+    from clsys.export import checkpoint_weights
+
+    marker = tmp_path / "pwned"
+    ds = tmp_path / "ckpt" / "ds"
+    ds.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"optimizer_state_dict": _Payload(str(marker)), "module": _Payload(str(marker))}, ds / name)
+    (tmp_path / "ckpt" / "latest").write_text("ds")
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+        checkpoint_weights(str(tmp_path / "ckpt"))
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+    assert torch.load.__module__ == "torch.serialization", "the restriction outlived the load"

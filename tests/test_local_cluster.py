@@ -1,5 +1,6 @@
-"""`cluster/local.sh up` (a Ray head plus two worker raylets on 127.0.0.1), `ray job submit` of the
-quickstart recipe with this checkout as the working dir, `cluster/local.sh down`: real Ray, real jobs."""
+"""`cluster/local.sh up` (`ray start` of a head plus two worker raylets on 127.0.0.1, token auth on),
+`ray job submit` of the quickstart recipe with this checkout as the working dir, streaming its shards
+from S3 and writing its checkpoints and export there, `cluster/local.sh down`: real Ray, real jobs."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 
+from clsys import storage
+from clsys.engine.checkpoint import complete_checkpoints
 from conftest import free_port
 from test_pretrain import REPO, SAMPLE, run
 
@@ -19,9 +22,10 @@ def ray_processes(marker: str) -> list[str]:
     return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
 
 
-def test_local_cluster_up_submit_down(tmp_path):
-    shards = tmp_path / "shards"
-    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", str(shards),
+def test_local_cluster_up_submit_down(s3_bucket, tmp_path):
+    # The raylets start in this environment, which points boto3 at the test's S3 server: so do the workers.
+    shards, runs = f"{s3_bucket}/shards", f"{s3_bucket}/runs"
+    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
                "--shard-size-mb", "0.5").returncode == 0
     port, dashboard = free_port(), free_port()
     bin_dir = os.path.dirname(sys.executable)
@@ -41,15 +45,17 @@ def test_local_cluster_up_submit_down(tmp_path):
 
         job = subprocess.run(
             [f"{bin_dir}/ray", "job", "submit", "--runtime-env", "cluster/runtime_env.yaml", "--working-dir", ".",
-             "--", "python", "-m", "clsys.pretrain", f"data.url={shards}", f"train.run_root={tmp_path / 'runs'}",
+             "--", "python", "-m", "clsys.pretrain", f"data.url={shards}", f"train.run_root={runs}",
              "train.steps=4", "train.log_every=1", "train.batch_size=8", "eval.sts_dev=", "eval.sts_test="],
             cwd=REPO, env={**env, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"},
             capture_output=True, text=True, timeout=600)
         output = job.stdout + job.stderr
         assert job.returncode == 0, output[-5000:]
-        assert "joined the Ray cluster at" in output and "[clsys] step 4/4" in output
-        assert "succeeded" in output
-        assert (tmp_path / "runs" / "quickstart" / "export" / "model.safetensors").exists()
+        # The job joins the running cluster, never starts one of its own.
+        assert "joined the Ray cluster at" in output and "started a local Ray cluster" not in output
+        assert "[clsys] step 4/4" in output and "succeeded" in output
+        assert [step for step, _ in complete_checkpoints(f"{runs}/quickstart")] == [4]
+        assert storage.exists(f"{runs}/quickstart/export/model.safetensors")
     finally:
         down = subprocess.run([local_sh, "down"], env=env, capture_output=True, text=True, timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr

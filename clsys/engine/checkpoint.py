@@ -24,6 +24,7 @@ position is remapped by the loader (``clsys.data.streaming``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -40,6 +41,34 @@ from clsys import integrity, storage
 from clsys.integrity import SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
+
+
+def _deepspeed_record_classes() -> list:
+    # The classes DeepSpeed pickles into its optimizer files besides tensors and containers (listed by
+    # torch.serialization.get_unsafe_globals_in_checkpoint): plain records, rebuilt from their fields.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Every ``torch.load`` inside, DeepSpeed's own included (which ask for ``weights_only=False``), reads
+    tensors, plain containers and DeepSpeed's record classes only: a checkpoint on shared storage is
+    data, and unpickling it must never run code from it."""
+    real_load = torch.load
+
+    def load(*args, **kwargs):
+        return real_load(*args, **{**kwargs, "weights_only": True})
+
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(_deepspeed_record_classes()):
+            yield
+    finally:
+        torch.load = real_load
 
 
 def step_url(run_url: str, step: int) -> str:
@@ -179,11 +208,21 @@ def _ensure_universal(url: str, sums: dict[str, str] | None) -> list[str]:
     return _agreed(problems)
 
 
+# DeepSpeed's converter (what `python -m deepspeed.checkpoint.ds_to_universal` runs), its loads restricted
+# as ours are; its worker processes are forked from it, so theirs are too.
+_CONVERT = """
+from deepspeed.checkpoint import ds_to_universal
+from clsys.engine.checkpoint import weights_only_loads
+with weights_only_loads():
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+"""
+
+
 def _convert_to_universal(url: str, ds_folder: str, out: str) -> None:
     # DeepSpeed's converter, as a process: its options change between versions, its CLI less.
     # --inject_missing_state: the converter expects Megatron's parallelism metadata, which a
     # plain data-parallel model does not write; the defaults it injects are the right ones.
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ds_folder,
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, "--input_folder", ds_folder,
                            "--output_folder", os.path.join(out, "ds"), "--inject_missing_state"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -280,7 +319,8 @@ def load(engine, fetched: Fetched, world_size: int) -> dict:
     rank gets rank 0's loader state (all ranks stand at the same position) and no RNG state.
     """
     try:
-        path, _ = engine.load_checkpoint(fetched.folder, tag="ds")
+        with weights_only_loads():
+            path, _ = engine.load_checkpoint(fetched.folder, tag="ds")
         if path is None:
             raise RuntimeError(f"{fetched.url}: DeepSpeed could not load the checkpoint")
         rank_state = torch.load(os.path.join(fetched.folder, fetched.rank_file), weights_only=True)
