@@ -8,9 +8,12 @@ removal), never from code paths in the trainer.
 """
 from __future__ import annotations
 
+import os
+import random
 import re
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from clsys import storage
-from faults import Run, partial_checkpoint, two_node_cluster
+from faults import Run, RunResult, partial_checkpoint, two_node_cluster
 from test_pretrain import SAMPLE, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("shared_ray")]
-STEPS = 8
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +182,11 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     batch, name = 12, f"z{stage}"
     run_dir = tmp_path / name
     shutil.copytree(baseline[stage], run_dir, ignore=shutil.ignore_patterns("export", "tensorboard", "ray"))
-    for later in (6, 8):
+    for later in range(6, STEPS + 1, 2):
         shutil.rmtree(run_dir / "checkpoints" / f"step-{later:08d}")
-    for keys in run_dir.glob("sample_keys/*/step-0000000[68].txt"):
-        keys.unlink()
+    for keys in run_dir.glob("sample_keys/*/step-*.txt"):
+        if int(keys.stem.partition("-")[2]) > 4:
+            keys.unlink()
     result = Run(recipe(shards, tmp_path, name, f"train.zero_stage={stage}", "train.resume=latest",
                         f"cluster.num_workers={workers}")).wait()
     assert result.returncode == 0
@@ -191,7 +195,7 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/SHA256SUMS")
     keys = [k for ks in sample_keys(run_dir).values() for k in ks]
     assert len(keys) == STEPS * batch and len(set(keys)) == len(keys), "a sample was consumed twice"
-    assert {p.split("/")[0] for p in sample_key_files(run_dir) if p.endswith("step-00000008.txt")} == \
+    assert {p.split("/")[0] for p in sample_key_files(run_dir) if p.endswith(f"step-{STEPS:08d}.txt")} == \
         {f"rank-{r:05d}" for r in range(workers)}
     # Training went on from step 5 (the restored step), not from scratch, with finite losses.
     after = losses(run_dir)
@@ -203,18 +207,74 @@ def test_global_batch_that_the_new_worker_count_cannot_divide_is_refused(shards,
     assert proc.returncode == 2 and "train.batch_size=12 is not divisible by cluster.num_workers" in proc.stderr
 
 
-def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(shards, baseline, s3_auth_server, tmp_path,
-                                                             monkeypatch, request):
-    """Shards and checkpoints on S3 behind a proxy injecting resets, 500/503 and truncated bodies; rank 0
-    killed while checkpoint 4 is being written: the run resumes from checkpoint 2 and ends exactly like
-    the clean local run. No secret appears in anything the run wrote or printed."""
+@dataclass(frozen=True)
+class ProcessFault:
+    """A fault on the run's processes: ``kill`` (kill -9 of a rank when step ``at`` is logged),
+    ``kill_writing`` (kill -9 of a rank while checkpoint ``at`` is being written), ``stop`` (SIGSTOP of a
+    rank at step ``at``: the watchdog's case) or ``preempt`` (SIGUSR1 to the driver at step ``at``: it
+    checkpoints and exits 75, and is started again with --resume latest, as SLURM's requeue does)."""
+
+    kind: str
+    at: int
+    rank: int = 0
+
+    def __str__(self) -> str:
+        target = "driver" if self.kind == "preempt" else f"rank {self.rank}"
+        return f"{self.kind} {target} at {'checkpoint' if self.kind == 'kill_writing' else 'step'} {self.at}"
+
+
+def chaos_schedule(seed: int) -> tuple[list[ProcessFault], list]:
+    """Faults drawn from ``seed``: one of each process fault and one more, at random steps and ranks, and
+    three S3 fault rules (kind, method, every n-th request) for the proxy in front of the storage."""
+    from s3_fault_proxy import Fault
+
+    rng = random.Random(seed)
+    kinds = ["kill", "kill_writing", "stop", "preempt", rng.choice(["kill", "kill_writing", "preempt"])]
+    process = [ProcessFault(kind, rng.randrange(2, STEPS + 1, 2) if kind == "kill_writing" else rng.randint(2, STEPS),
+                            rng.randint(0, 1)) for kind in kinds]
+    proxy = [Fault(kind, rng.choice(["GET", "PUT", "ANY"]), rng.randint(7, 17))
+             for kind in rng.sample(["reset", "500", "503", "truncate"], 3)]
+    return process, proxy
+
+
+def run_under_faults(args: list[str], run_url: str, env: dict[str, str], faults: list[ProcessFault],
+                     note: str) -> tuple[list[RunResult], set[ProcessFault]]:
+    """Start the driver, and again with --resume latest after each preemption (exit 75), until it
+    ends; each fault fires once, the first time its trigger is seen in any start. ``note`` (the seed)
+    heads every failure message."""
+    fired: set[ProcessFault] = set()
+    results = []
+    while True:
+        r = Run(args + (["--resume", "latest"] if results else []), env=env)
+        for fault in set(faults) - fired:
+            def act(fault=fault, r=r):
+                if fault in fired:
+                    return
+                if fault.kind == "preempt":
+                    r.signal_driver(signal.SIGUSR1)
+                else:
+                    r.signal_rank(fault.rank, signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
+                fired.add(fault)
+            if fault.kind == "kill_writing":
+                r.when(lambda at=fault.at: partial_checkpoint(run_url, at), act, name=str(fault))
+            else:
+                r.on_line(rf"\[clsys\] step {fault.at}/", act)
+        results.append(r.wait())
+        code = results[-1].returncode
+        if code != 75:
+            assert code == 0, f"{note}: start {len(results)} ended with {code}:\n{results[-1].output[-3000:]}"
+            return results, fired
+        assert len(results) <= len(faults) + 1, f"{note}: more starts than preemptions"
+
+
+@pytest.fixture
+def s3_storage(s3_auth_server, monkeypatch, request):
+    """This process and its drivers on the S3 server that enforces credentials; shards written there.
+    Yields (environment for a driver, shards URL, runs URL)."""
     import boto3
 
-    from s3_fault_proxy import Fault, FaultProxy
-
-    secret, key_id = s3_auth_server["secret_access_key"], s3_auth_server["access_key_id"]
-    direct = {"AWS_ENDPOINT_URL": s3_auth_server["endpoint"], "AWS_ACCESS_KEY_ID": key_id,
-              "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+    direct = {"AWS_ENDPOINT_URL": s3_auth_server["endpoint"], "AWS_ACCESS_KEY_ID": s3_auth_server["access_key_id"],
+              "AWS_SECRET_ACCESS_KEY": s3_auth_server["secret_access_key"], "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in direct.items():
         monkeypatch.setenv(k, v)
     storage._s3_client.cache_clear()
@@ -222,23 +282,31 @@ def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(shards, baseline, s
     # then built from its own environment, not this test's server.
     request.addfinalizer(storage._s3_client.cache_clear)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-    bucket = s3_auth_server["bucket_url"]
-    s3_shards, runs = f"{bucket}/ft-shards", f"{bucket}/ft-runs"
-    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", s3_shards,
+    base = f"{s3_auth_server['bucket_url']}/{request.node.name.replace('[', '-').rstrip(']')}"
+    shards = f"{base}/shards"
+    assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
                "--shard-size-mb", "0.25").returncode == 0
+    return direct, shards, f"{base}/runs"
 
+
+def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(baseline, s3_storage, tmp_path):
+    """Shards and checkpoints on S3 behind a proxy injecting resets, 500/503 and truncated bodies; rank 0
+    killed while checkpoint 4 is being written: the run resumes from checkpoint 2 and ends exactly like
+    the clean local run. No secret appears in anything the run wrote or printed. The seeded chaos soak
+    below is the same harness with random faults."""
+    from s3_fault_proxy import Fault, FaultProxy
+
+    direct, s3_shards, runs = s3_storage
     faults = [Fault("truncate", "GET", 7), Fault("reset", "GET", 11), Fault("503", "PUT", 5), Fault("500", "ANY", 13)]
-    with FaultProxy(s3_auth_server["endpoint"], faults) as proxy:
+    kill = ProcessFault("kill_writing", 4, 0)
+    with FaultProxy(direct["AWS_ENDPOINT_URL"], faults) as proxy:
         # Its own local Ray cluster, not the module's: workers take S3 credentials from their own
         # environment, which is the one the cluster started in.
-        r = Run(recipe(s3_shards, runs, "z2", "train.zero_stage=2", "cluster.max_restarts=1"),
-                env={**direct, "AWS_ENDPOINT_URL": proxy.endpoint, "RAY_ADDRESS": ""})
-        r.when(lambda: partial_checkpoint(f"{runs}/z2", 4), lambda: r.signal_rank(0, signal.SIGKILL),
-               name="kill rank 0 while checkpoint 4 is written")
-        result = r.wait()
+        (result,), fired = run_under_faults(
+            recipe(s3_shards, runs, "z2", "train.zero_stage=2", "cluster.max_restarts=1"), f"{runs}/z2",
+            {**direct, "AWS_ENDPOINT_URL": proxy.endpoint, "RAY_ADDRESS": ""}, [kill], "fixed schedule")
         injected = dict(proxy.injected)
-    assert result.returncode == 0, result.output[-3000:]
-    assert "kill rank 0 while checkpoint 4 is written" in result.fired
+    assert fired == {kill}
     assert "resumed from" in result.output and "step-00000002" in result.output
     assert sum(injected.values()) > 0, injected
 
@@ -246,5 +314,50 @@ def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(shards, baseline, s
     storage.download_dir(f"{runs}/z2", str(local))
     assert_same_run(local, baseline[2])
 
+    secret = direct["AWS_SECRET_ACCESS_KEY"]
     written = [result.output.encode()] + [p.read_bytes() for p in local.rglob("*") if p.is_file()]
     assert not any(secret.encode() in blob for blob in written), "the secret key leaked"
+
+
+CHAOS_SEEDS = os.environ.get("CLSYS_CHAOS_SEEDS", "")
+
+
+def _seeds(spec: str) -> list[int]:
+    """``"1-10"`` or ``"3,7,9"`` (or both, comma-separated)."""
+    seeds = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("-")
+        seeds += range(int(low), int(high or low) + 1)
+    return seeds
+
+
+@pytest.mark.skipif(not CHAOS_SEEDS, reason="the chaos soak runs with CLSYS_CHAOS_SEEDS=1-10 (docs: fault tolerance)")
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("seed", _seeds(CHAOS_SEEDS) or [0])
+def test_chaos_soak(seed, stage, baseline, s3_storage, tmp_path):
+    """Five process faults and three S3 fault rules drawn from the seed, all in one run on S3: it ends
+    by itself (restarts, and starts again after preemptions) exactly like the uninterrupted run."""
+    from s3_fault_proxy import FaultProxy
+
+    direct, s3_shards, runs = s3_storage
+    process, proxy_faults = chaos_schedule(seed)
+    note = f"chaos seed {seed}, ZeRO-{stage} (rerun: CLSYS_CHAOS_SEEDS={seed}); faults " + \
+        "; ".join(map(str, process)) + "; S3 " + ", ".join(f"{f.kind} {f.method} every {f.every}" for f in proxy_faults)
+    print(note)
+    name = f"z{stage}"
+    restarts = sum(f.kind != "preempt" for f in process)
+    with FaultProxy(direct["AWS_ENDPOINT_URL"], proxy_faults) as proxy:
+        results, fired = run_under_faults(
+            recipe(s3_shards, runs, name, f"train.zero_stage={stage}", f"cluster.max_restarts={restarts}",
+                   "cluster.collective_timeout_s=20", "cluster.health_check_timeout_s=35", "cluster.stop_poll_s=0.2"),
+            f"{runs}/{name}", {**direct, "AWS_ENDPOINT_URL": proxy.endpoint, "RAY_ADDRESS": ""}, process, note)
+        injected = dict(proxy.injected)
+    missed = [str(f) for f in process if f not in fired]
+    faults_seen = len(fired) + sum(1 for n in injected.values() if n)
+    assert faults_seen >= 6, f"{note}: only {faults_seen} faults happened (not fired: {missed}; S3 {injected})"
+    local = tmp_path / name
+    storage.download_dir(f"{runs}/{name}", str(local))
+    try:
+        assert_same_run(local, baseline[stage])
+    except AssertionError as err:
+        raise AssertionError(f"{note}: {err}") from None
