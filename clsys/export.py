@@ -23,7 +23,7 @@ import tempfile
 import torch
 
 from clsys import integrity, storage
-from clsys.engine.checkpoint import latest_checkpoint, recorded_sums, weights_only_loads
+from clsys.engine.checkpoint import latest_checkpoint, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model_card import write_card
 from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
@@ -230,11 +230,11 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
 def check_checkpoint(url: str, local: str, meta: dict) -> None:
     """Raise IntegrityError naming the files of the downloaded checkpoint ``local`` that differ from the
     checksums its writer recorded (checkpoints written before clsys recorded any are not checked)."""
-    sums = recorded_sums(url, required="sums" in meta)
-    bad = integrity.differences(local, sums) if sums else []
-    if bad:
-        raise integrity.IntegrityError(f"{url}: damaged checkpoint, files differ from its {integrity.SUMS}: "
-                                       f"{'; '.join(bad)} (export another one: --checkpoint <step folder>)")
+    try:
+        integrity.check_folder(local, required="sums" in meta, name=url)
+    except integrity.IntegrityError as err:
+        raise integrity.IntegrityError(f"damaged checkpoint {err} (export another one: --checkpoint <step folder>)"
+                                       ) from None
 
 
 def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]:

@@ -80,13 +80,16 @@ def write_folder_sums(folder: str | os.PathLike, skip: Callable[[str], bool] = l
     Path(folder, SUMS).write_bytes(format_sums(folder_sums(folder, skip)))
 
 
-def check_folder(folder: str | os.PathLike) -> bool:
+def check_folder(folder: str | os.PathLike, required: bool = False, name: str | None = None) -> bool:
     """Raise IntegrityError naming the bad files when the local ``folder``'s files differ from its
-    SHA256SUMS; False (nothing checked) when it has none."""
+    SHA256SUMS; False (nothing checked) when it has none, unless ``required`` (its writer recorded one).
+    ``name`` (default: the folder) heads the message."""
     sums_path = Path(folder, SUMS)
     if not sums_path.is_file():
+        if required:
+            raise IntegrityError(f"{name or folder}: files differ from {SUMS}: {SUMS}: missing")
         return False
-    bad = differences(folder, parse_sums(sums_path.read_bytes(), str(sums_path)))
+    bad = differences(folder, parse_sums(sums_path.read_bytes(), f"{name or folder}/{SUMS}"))
     if bad:
-        raise IntegrityError(f"{folder}: files differ from {SUMS}: " + "; ".join(bad))
+        raise IntegrityError(f"{name or folder}: files differ from {SUMS}: " + "; ".join(bad))
     return True

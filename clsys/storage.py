@@ -230,21 +230,32 @@ def json_bytes(obj) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode()
 
 
+_MISSING = ("NoSuchKey", "404", "NotFound")
+# The condition of a conditional request did not hold (412), another conditional write to the key was in
+# flight (409, AWS), or the object a write or delete was conditioned on is gone.
+_CONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409", *_MISSING)
+
+
+def _s3_or_none(url: str, fn, none_codes: tuple[str, ...], **kwargs):
+    """An S3 request's response, or None when it fails with one of ``none_codes``; other failures raise
+    StorageError naming ``url``."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return fn(**kwargs)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") in none_codes:
+            return None
+        raise _s3_error(url, err) from None
+    except BotoCoreError as err:  # botocore's retries are spent
+        raise _s3_error(url, err) from None
+
+
 def exists(url: str) -> bool:
     loc = parse(url)
     if loc.scheme == "file":
         return os.path.exists(loc.path)
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        s3_client().head_object(Bucket=loc.bucket, Key=loc.path)
-        return True
-    except ClientError as err:
-        if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return False
-        raise _s3_error(url, err) from None
-    except BotoCoreError as err:  # botocore's retries are spent
-        raise _s3_error(url, err) from None
+    return _s3_or_none(url, s3_client().head_object, _MISSING, Bucket=loc.bucket, Key=loc.path) is not None
 
 
 def write_bytes(url: str, data: bytes) -> None:
@@ -275,14 +286,6 @@ def _replace_file(url: str, fill) -> None:
         raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
 
 
-def _precondition_failed(err: Exception) -> bool:
-    from botocore.exceptions import ClientError
-
-    # 412: the condition did not hold; 409: another conditional write to the key was in flight (AWS).
-    return isinstance(err, ClientError) and err.response.get("Error", {}).get("Code") in (
-        "PreconditionFailed", "412", "ConditionalRequestConflict", "409")
-
-
 @contextlib.contextmanager
 def _file_lock(path: str):
     """An exclusive lock around a compare-and-swap on a local (or NFS) file, held by a sidecar file."""
@@ -302,15 +305,8 @@ def read_versioned(url: str) -> tuple[bytes, str] | None:
     """(content, version tag) of the object, None when there is none; the tag is what ``write_if`` compares."""
     loc = parse(url)
     if loc.scheme == "s3":
-        from botocore.exceptions import ClientError
-
-        try:
-            resp = s3_client().get_object(Bucket=loc.bucket, Key=loc.path)
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise _s3_error(url, err) from None
-        return resp["Body"].read(), resp["ETag"]
+        resp = _s3_or_none(url, s3_client().get_object, _MISSING, Bucket=loc.bucket, Key=loc.path)
+        return None if resp is None else (resp["Body"].read(), resp["ETag"])
     try:
         with open(loc.path, "rb") as f:
             data = f.read()
@@ -325,16 +321,10 @@ def write_if(url: str, data: bytes, version: str | None) -> str | None:
     (If-None-Match / If-Match); a file under an exclusive lock."""
     loc = parse(url)
     if loc.scheme == "s3":
-        from botocore.exceptions import ClientError
-
         condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
-        try:
-            return s3_client().put_object(Bucket=loc.bucket, Key=loc.path, Body=data, **condition)["ETag"]
-        except ClientError as err:
-            if _precondition_failed(err) or (version is not None and
-                                             err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")):
-                return None
-            raise _s3_error(url, err) from None
+        resp = _s3_or_none(url, s3_client().put_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
+                           Body=data, **condition)
+        return None if resp is None else resp["ETag"]
     with _file_lock(loc.path):
         current = read_versioned(url)
         if (current[1] if current else None) != version:
@@ -347,15 +337,8 @@ def delete_if(url: str, version: str) -> bool:
     """Delete the object if it is still at ``version``; whether it was."""
     loc = parse(url)
     if loc.scheme == "s3":
-        from botocore.exceptions import ClientError
-
-        try:
-            s3_client().delete_object(Bucket=loc.bucket, Key=loc.path, IfMatch=version)
-            return True
-        except ClientError as err:
-            if _precondition_failed(err) or err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return False
-            raise _s3_error(url, err) from None
+        return _s3_or_none(url, s3_client().delete_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
+                           IfMatch=version) is not None
     with _file_lock(loc.path):
         current = read_versioned(url)
         if current is None or current[1] != version:

@@ -148,6 +148,13 @@ def partial_checkpoint(run_url: str, step: int) -> bool:
     return bool(names) and "COMPLETE" not in names
 
 
+def flip_a_byte(url: str) -> None:
+    """Damage a stored file at rest, as a bad disk or a stray write would: one bit of its middle byte."""
+    data = bytearray(storage.read_bytes(url))
+    data[len(data) // 2] ^= 0x01
+    storage.write_bytes(url, bytes(data))
+
+
 @contextlib.contextmanager
 def two_node_cluster(cpus_per_node: int = 1):
     """A head node with no CPUs (Ray Train's controller needs none) and two worker nodes, all on

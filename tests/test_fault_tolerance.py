@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from clsys import storage
-from faults import Run, RunResult, partial_checkpoint, two_node_cluster
+from faults import Run, RunResult, flip_a_byte, partial_checkpoint, two_node_cluster
 from test_pretrain import SAMPLE, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("shared_ray")]
@@ -107,9 +107,7 @@ def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resu
     # A byte of rank 1's optimizer partition in checkpoint 4 flipped at rest: the resume checks every
     # file against the checkpoint's SHA256SUMS, sets 4 aside and resumes from 2.
     damaged = tmp_path / "z3" / "checkpoints" / "step-00000004" / "ds" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    damaged.write_bytes(bytes(data))
+    flip_a_byte(f"file://{damaged}")
     resumed = Run(args + ["train.resume=latest"]).wait()
     assert resumed.returncode == 0 and "resumed from" in resumed.output and "step-00000002 at step 2" in resumed.output
     assert re.search(r"checkpoint \S+/step-00000004 is damaged \(ds/zero_pp_rank_1_mp_rank_00_optim_states.pt: "
@@ -247,9 +245,7 @@ def run_under_faults(args: list[str], run_url: str, env: dict[str, str], faults:
     while True:
         r = Run(args + (["--resume", "latest"] if results else []), env=env)
         for fault in set(faults) - fired:
-            def act(fault=fault, r=r):
-                if fault in fired:
-                    return
+            def act(fault=fault, r=r):  # one-shot: Run fires each action once
                 if fault.kind == "preempt":
                     r.signal_driver(signal.SIGUSR1)
                 else:

@@ -19,15 +19,10 @@ import torch.multiprocessing as mp
 
 from clsys import integrity, storage
 from clsys.integrity import SUMS, IntegrityError
+from faults import flip_a_byte
 from tests.conftest import TwoRankCheckpoints, free_port
 
 OPTIM_RANK_1 = "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"  # ZeRO-2: rank 1's optimizer partition
-
-
-def flip_a_byte(url: str) -> None:
-    data = bytearray(storage.read_bytes(url))
-    data[len(data) // 2] ^= 0x01
-    storage.write_bytes(url, bytes(data))
 
 
 def test_sums_are_coreutils_format_and_name_every_bad_file(tmp_path):
@@ -83,7 +78,6 @@ def _damage_and_resume(rank: int, port: int, tiny: str, runs: list[str], out: di
     from clsys.engine.loop import _resume_candidates
 
     ranks = TwoRankCheckpoints(rank, port, tiny)
-    save = ranks.save
 
     def resume(run: str, damage) -> dict:
         """Rank 0 damages the run's checkpoints; then every rank resumes the way a restarted worker does."""
@@ -104,13 +98,13 @@ def _damage_and_resume(rank: int, port: int, tiny: str, runs: list[str], out: di
         return result
 
     for run in runs:
-        save(run, 2)
-        step4 = save(run, 4)
+        ranks.save(run, 2)
+        step4 = ranks.save(run, 4)
         results = [resume(run, lambda: flip_a_byte(storage.join(step4, OPTIM_RANK_1)))]
-        save(run, 4)  # written again, over the set-aside folder
+        ranks.save(run, 4)  # written again, over the set-aside folder
         # Only rank 1 downloads its own state file: the others learn of its loss from it.
         results.append(resume(run, lambda: storage.delete(storage.join(step4, "rank-00001.pt"))))
-        save(run, 4)
+        ranks.save(run, 4)
 
         def damage_both():
             flip_a_byte(storage.join(step4, OPTIM_RANK_1))
