@@ -1,10 +1,11 @@
 """Model FLOP utilisation of a BERT-base-sized encoder on one GPU: SimCSE and TaCL (masked LM) steps, bf16.
 
-    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--steps 20] [--zero 2] [--compile] [--padded] [--peak-tflops auto]
+    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--min-words N] [--steps 20] [--zero 2] [--compile]
+                            [--padded | --packed-attention padded|nested] [--peak-tflops auto]
 
 A random-init BERT-base (clsys/configs/models/bert-base.json: 12 layers, d 768, vocab 30,522) trains
-on full-length sequences of --seq tokens (random words of a generated word-level vocabulary, so no
-hub download). Per objective, two ways of stepping the same objective module on the same batches:
+on sequences of --seq tokens (random words of a generated word-level vocabulary, so no hub download);
+with --min-words N each row has N to seq-2 words (uniform), so the batch has pads as real text does. Per objective, two ways of stepping the same objective module on the same batches:
 
 - clsys: the product's step, ``engine(batch)`` → ``engine.backward`` → ``engine.step`` on the DeepSpeed
   engine that ``clsys.engine.deepspeed.build_engine`` builds (``train.precision: bf16``, ZeRO --zero,
@@ -12,7 +13,7 @@ hub download). Per objective, two ways of stepping the same objective module on 
 - bare: torch.autocast(bf16) with fp32 weights and a fused torch AdamW, no framework: the floor.
 
 FLOPs per step are counted by ``torch.utils.flop_counter.FlopCounterMode`` on one forward+backward
-of the objective (matmuls and attention as executed: SimCSE's 2 views, TaCL's student, frozen teacher
+of the objective as executed (a padded step's pad tokens count too: compare tokens/s across layouts) (matmuls and attention as executed: SimCSE's 2 views, TaCL's student, frozen teacher
 forward and MLM head on the masked positions). MFU = FLOPs per step × steps/s ÷ the GPU's dense bf16
 peak (H100/H200 SXM: 989 TFLOP/s). Prints a table, then ``ratio <name> <value>`` lines. Where no CUDA
 GPU is present it says so and measures nothing. Not part of the test suite.
@@ -53,9 +54,10 @@ def word_tokenizer(folder: str, vocab_size: int):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def samples(n: int, words: int, vocab_size: int, rng: random.Random) -> list[dict]:
-    """Shard-like samples (``txt`` + ``json``) of exactly ``words`` random words."""
-    return [{"txt": " ".join(f"w{rng.randrange(vocab_size - len(SPECIAL))}" for _ in range(words)),
+def samples(n: int, min_words: int, max_words: int, vocab_size: int, rng: random.Random) -> list[dict]:
+    """Shard-like samples (``txt`` + ``json``) of ``min_words`` to ``max_words`` random words."""
+    return [{"txt": " ".join(f"w{rng.randrange(vocab_size - len(SPECIAL))}"
+                             for _ in range(rng.randint(min_words, max_words))),
              "json": {"lang": "en", "page_id": i}, "__key__": f"{i:08d}"} for i in range(n)]
 
 
@@ -65,7 +67,7 @@ def build_objective(name: str, tokenizer_dir: str, args, tokenizer):
                  f"train.batch_size={args.batch}", f"train.precision={args.precision}",
                  f"train.zero_stage={args.zero}", f"train.compile={args.compile}",
                  f"train.steps={args.warmup + args.steps}", "optim.lr=1e-5",
-                 f"model.packed={str(not args.padded).lower()}"]
+                 f"model.packed={str(not args.padded).lower()}", f"model.packed_attention={args.packed_attention}"]
     if name == "tacl":
         overrides.append(f"objective.mask_cap={args.seq}")
     cfg = load_config(None, overrides)
@@ -147,6 +149,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (train.compile: true)")
     parser.add_argument("--padded", action="store_true", help="model.packed: false (full-length rows have no pads, "
                         "so packing only adds its index work here)")
+    parser.add_argument("--packed-attention", default="padded", choices=["padded", "nested"],
+                        help="model.packed_attention: the packed rows' attention kernel")
+    parser.add_argument("--min-words", type=int, default=0, help="rows of this many to seq-2 words; 0: all seq-2")
     parser.add_argument("--ways", nargs="+", default=["bare", "clsys"], choices=["bare", "clsys"])
     parser.add_argument("--peak-tflops", default="auto", help="dense bf16 peak of the GPU; auto: by its name")
     args = parser.parse_args()
@@ -168,19 +173,22 @@ def main() -> None:
     config = json.loads(BERT_BASE.read_text())
     tokenizer = word_tokenizer(tokenizer_dir, config["vocab_size"])
     print(f"gpu_mfu: {name}, dense bf16 peak {peak:.0f} TFLOP/s, torch {torch.__version__}, BERT-base "
-          f"(random init), seq {args.seq}, batch {args.batch}, {args.steps} timed steps after {args.warmup}")
+          f"(random init), seq {args.seq}, batch {args.batch}, {args.steps} timed steps after {args.warmup}, "
+          f"{'padded' if args.padded else 'packed (' + args.packed_attention + ' attention)'}, "
+          f"words per row {args.min_words or args.seq - 2}-{args.seq - 2}{', compiled' if args.compile else ''}")
 
     rows, ratios = [], {}
     rng = random.Random(0)
     for objective_name in args.objectives:
         cfg, objective = build_objective(objective_name, tokenizer_dir, args, tokenizer)
-        attention = objective.encoder().config._attn_implementation
+        attention = "sdpa" if args.padded else f"packed-{args.packed_attention}"
         # Collated by the objective itself ([CLS] + seq-2 words + [SEP] = seq tokens), moved to the GPU once.
-        batches = [{k: v.cuda() for k, v in objective.collate(samples(args.batch, args.seq - 2, config["vocab_size"],
+        words = (args.min_words or args.seq - 2, args.seq - 2)
+        batches = [{k: v.cuda() for k, v in objective.collate(samples(args.batch, *words, config["vocab_size"],
                                                                        rng)).items()} for _ in range(4)]
-        tokens = int(sum(v.sum() for k, v in batches[0].items() if k.endswith("attention_mask")))
+        tokens = sum(int(v.sum()) for batch in batches for k, v in batch.items() if k.endswith("attention_mask")) / 4
         objective.cuda().train()
-        flops = count_flops(objective, batches[0])  # before compiling: the counter sees eager ops
+        flops = sum(count_flops(objective, b) for b in batches) / 4  # before compiling: the counter sees eager ops
         for way in args.ways:
             torch.cuda.reset_peak_memory_stats()
             if way == "bare":
@@ -199,9 +207,9 @@ def main() -> None:
         del step, objective, batches
         torch.cuda.empty_cache()
 
-    print(f"\n{'objective':<9} {'step':<6} {'attention':<9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak GiB':>9}")
+    print(f"\n{'objective':<9} {'step':<6} {'attention':<13} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak GiB':>9}")
     for objective_name, way, attention, tps, tflops, mfu, mem in rows:
-        print(f"{objective_name:<9} {way:<6} {attention:<9} {tps:>10.0f} {tflops:>8.1f} {mfu:>6.1f} {mem:>9.1f}")
+        print(f"{objective_name:<9} {way:<6} {attention:<13} {tps:>10.0f} {tflops:>8.1f} {mfu:>6.1f} {mem:>9.1f}")
     print()
     for key, value in ratios.items():
         print(f"ratio {key} {value:.3f}")

@@ -43,6 +43,7 @@ class ModelConfig:
     tokenizer: str = ""  # tokenizer folder/URL (e.g. from data_prep tokenizer); "" = model.name's own
     dropout: float | None = None  # overrides hidden and attention dropout when set (SimCSE needs > 0)
     packed: bool = True  # encoder forwards without pad tokens (clsys/model/packing.py); false: padded batches
+    packed_attention: str = "padded"  # packed rows' attention product: padded (one masked SDPA call) or nested
 
 
 @dataclass
@@ -233,6 +234,9 @@ class Config:
             ("train.collapse_uniformity", t.collapse_uniformity <= 0, "<= 0 (0 = off; uniformity is at most 0)"),
             ("train.peak_tflops", t.peak_tflops >= 0, ">= 0 (0 = the data-sheet peak of a known GPU)"),
             ("model.init", self.model.init in ("pretrained", "scratch"), "pretrained or scratch"),
+            ("model.packed_attention", self.model.packed_attention in ("padded", "nested"), "padded or nested"),
+            ("model.packed_attention", not (t.compile and self.model.packed and self.model.packed_attention == "nested"),
+             "padded with train.compile (torch.compile fails on the nested kernel's backward)"),
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),
             ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),

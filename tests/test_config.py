@@ -122,11 +122,18 @@ def test_nested_groups_from_overrides_and_yaml(tmp_path):
     ("optim.betas=[0.9]", "optim.betas: expected a list of 2 values"),
     ("train.precision=fp8", "train.precision: expected fp32, bf16, bf16_weights or auto"),
     ("train.batch_size=31", "train.batch_size=31 is not divisible"),
+    ("model.packed_attention=auto", "model.packed_attention: expected padded or nested"),
     ("train.steps", "is not of the form key=value"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_compile_refuses_the_nested_packed_attention():
+    with pytest.raises(ConfigError, match=re.escape("model.packed_attention: expected padded with train.compile")):
+        load_config(None, ["train.compile=true", "model.packed_attention=nested"])
+    assert load_config(None, ["train.compile=true", "model.packed=false", "model.packed_attention=nested"]).train.compile
 
 
 def test_bad_recipe_file_names_the_file(tmp_path):

@@ -10,14 +10,14 @@ forward's keyword arguments and falls back to SDPA when there are none (an ordin
 e.g. evaluation, runs exactly as before). ``encode`` returns the encoder's output scattered back to
 the padded [B, L, d] layout (zeros at pads), so pooling, heads and losses need no change.
 
-The attention product itself, two kernels of PyTorch's own (no flash-attn package):
-  nested   SDPA on nested jagged tensors: no pad token anywhere. On CUDA this dispatches to the
-           flash / memory-efficient varlen kernels, dropout included (``torch.nn.attention.varlen``
-           has no dropout, which SimCSE's views need). The default on GPUs.
+The attention product itself, two kernels of PyTorch's own (no flash-attn package), ``model.packed_attention``:
   padded   q, k and v laid out [B, H, L, D] for this product alone, one SDPA call with a key padding
-           mask. PyTorch's CPU path for nested SDPA loops over rows: measured 7× slower than one padded
-           call (MiniLM heads, 128 rows of 8-32 tokens, forward + backward), while the product is
-           O(L²·d) per row, ~1% of a MiniLM layer's FLOPs at L = 32. The default on CPUs.
+           mask (the default). Every linear layer, LayerNorm, GELU and dropout still sees real tokens
+           only; the product is O(L²·d) per row, a small part of a layer's FLOPs at these lengths.
+  nested   SDPA on nested jagged tensors: no pad token anywhere. Slower on both devices where measured:
+           PyTorch's CPU path loops over rows (7× one padded call, MiniLM heads, 128 rows of 8-32 tokens,
+           forward + backward), and on an H200 the whole BERT-base SimCSE step ran at 0.42× the padded
+           kernel's tokens/s (TaCL 0.41×; docs/benchmarks.md#gpu-mfu); torch.compile fails on it.
 Both give the padded path's outputs and gradients (tests/test_packing.py, float64).
 
 First tokens only (``encode_first``): an objective that pools the ``[CLS]`` token (SimCSE's cls and
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION = "clsys_packed"
-KERNELS = ("auto", "nested", "padded")
+KERNELS = ("padded", "nested")
 
 
 @dataclass
@@ -92,10 +92,8 @@ class Packing:
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packing: Packing,
-                     dropout: float = 0.0, scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
+                     dropout: float = 0.0, scale: float | None = None, kernel: str = "padded") -> torch.Tensor:
     """Attention of packed rows, each row's tokens attending its own row only: [T, H, D] in, [T, H, D] out."""
-    if kernel == "auto":
-        kernel = "nested" if query.is_cuda else "padded"
     if kernel == "nested":
         offsets = packing.cu_seqlens.to(torch.int64)
 
@@ -114,7 +112,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             packing: Packing | None = None, packing_kernel: str = "auto", **kwargs):
+                             packing: Packing | None = None, packing_kernel: str = "padded", **kwargs):
     """transformers' attention-function signature: q, k, v [batch, heads, seq, dim] → ([batch, seq, heads, dim], None)."""
     if packing is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -218,7 +216,7 @@ def _pack_inputs(model: nn.Module, inputs: dict[str, torch.Tensor],
 
 
 def encode(model: nn.Module, inputs: dict[str, torch.Tensor], packed: bool = False,
-           output_hidden_states: bool = False, kernel: str = "auto"):
+           output_hidden_states: bool = False, kernel: str = "padded"):
     """The encoder's output for a padded batch (``input_ids``, ``attention_mask``, optionally
     ``token_type_ids``), run packed when ``packed``: ``last_hidden_state`` (and ``hidden_states`` when
     asked), always in the padded [B, L, d] layout."""
@@ -233,7 +231,7 @@ def encode(model: nn.Module, inputs: dict[str, torch.Tensor], packed: bool = Fal
 
 
 def encode_first(model: nn.Module, inputs: dict[str, torch.Tensor], packed: bool = False,
-                 kernel: str = "auto") -> torch.Tensor:
+                 kernel: str = "padded") -> torch.Tensor:
     """[B, d]: the last layer's first token of each (right-padded) row, the ``[CLS]`` vector. Packed, on an
     encoder whose last layer ``enable`` prepared, that layer computes those tokens alone; otherwise the
     whole last layer runs and its first column is taken."""

@@ -95,11 +95,12 @@ class Objective(nn.Module):
     def encode(self, model: nn.Module, inputs: dict[str, torch.Tensor], output_hidden_states: bool = False):
         """``model``'s output for the padded ``inputs`` (``input_ids``, ``attention_mask``, ``token_type_ids``),
         run without the pad tokens when ``model.packed`` (clsys/model/packing.py); padded layout either way."""
-        return packing.encode(model, inputs, self.cfg.model.packed, output_hidden_states)
+        return packing.encode(model, inputs, self.cfg.model.packed, output_hidden_states,
+                              self.cfg.model.packed_attention)
 
     def encode_first(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, d]: ``model``'s last-layer ``[CLS]`` vectors; packed, its last layer computes those alone."""
-        return packing.encode_first(model, inputs, self.cfg.model.packed)
+        return packing.encode_first(model, inputs, self.cfg.model.packed, self.cfg.model.packed_attention)
 
     def export_reranker_map(self) -> dict[str, str]:
         """For objectives that train a (query, document) relevance head: the parameter names of a
