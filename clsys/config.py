@@ -95,6 +95,7 @@ class TrainConfig:
     # health/collapse 1 and warns on the console; 0 turns it off.
     collapse_uniformity: float = -0.2
     ckpt_every: int = 100  # checkpoint interval (steps; and always at the last step)
+    async_checkpoint: bool = True  # write checkpoints in the background (training stops for a host-memory snapshot)
     keep_checkpoints: int = 2  # complete checkpoints kept (the best one, eval.select, is kept besides)
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
     tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often

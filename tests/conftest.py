@@ -194,10 +194,13 @@ class TwoRankCheckpoints:
         self.engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
 
     def save(self, run: str, step: int) -> str:
-        from clsys.engine import checkpoint
+        """Checkpoint ``step``, complete when this returns (the background writer, waited for)."""
+        from clsys.engine.checkpoint_writer import CheckpointWriter
 
-        return checkpoint.save(self.engine, run, step, {"loader": {"rank": self.rank}}, {"world_size": 2},
-                               lambda folder: None, keep=10)
+        writer = CheckpointWriter(self.engine, run, keep=10)
+        url = writer.save(step, {"loader": {"rank": self.rank}}, {"world_size": 2}, lambda folder: None)
+        writer.wait()
+        return url
 
     def resume(self, candidates: list[str]) -> tuple[int, dict]:
         """(step, loader state) restored from the first intact checkpoint of ``candidates``."""

@@ -148,6 +148,11 @@ def partial_checkpoint(run_url: str, step: int) -> bool:
     return bool(names) and "COMPLETE" not in names
 
 
+def complete_checkpoint(run_url: str, step: int) -> bool:
+    """True once checkpoint ``step`` is complete (written in the background, that is some steps after ``step``)."""
+    return storage.exists(storage.join(run_url, "checkpoints", f"step-{step:08d}", "COMPLETE"))
+
+
 def flip_a_byte(url: str) -> None:
     """Damage a stored file at rest, as a bad disk or a stray write would: one bit of its middle byte."""
     data = bytearray(storage.read_bytes(url))

@@ -316,7 +316,7 @@ def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                       LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
-    from clsys.engine import checkpoint
+    from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed
 
     init_distributed()
@@ -333,7 +333,7 @@ def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> 
         objective.tokenizer.save_pretrained(folder)
         objective.model.config.save_pretrained(folder)
 
-    checkpoint.save(engine, run, 1, {}, meta, hf_files, keep=1)
+    CheckpointWriter(engine, run, keep=1, background=False).save(1, {}, meta, hf_files)
     out["classifier"] = objective.rr_head[2].weight.detach().clone()
     out["query"] = objective.model.encoder.layer[1].attention.self.query.weight.detach().clone()
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from clsys import storage
-from faults import Run, RunResult, flip_a_byte, partial_checkpoint, two_node_cluster
+from faults import Run, RunResult, complete_checkpoint, flip_a_byte, partial_checkpoint, two_node_cluster
 from test_pretrain import SAMPLE, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("shared_ray")]
@@ -89,18 +89,20 @@ def baseline(shards, tmp_path_factory):
 def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resumed_by_hand(shards, baseline,
                                                                                           tmp_path):
     """ZeRO-3, one restart allowed. kill -9 of rank 1 while checkpoint 4 is being written: the restart
-    resumes from 2. Then kill -9 of rank 0 at step 5: no restart is left, so the job dies (no export).
+    resumes from 2. Then kill -9 of rank 0 once checkpoint 4 is complete (a step or two later, as it is
+    written in the background): no restart is left, so the job dies (no export).
     Checkpoint 4 then rots on disk; `--resume latest` falls back to 2 and finishes the run, equal to the
     uninterrupted one."""
     args = recipe(shards, tmp_path, "z3", "train.zero_stage=3")
     r = Run(args + ["cluster.max_restarts=1"])
     r.when(lambda: partial_checkpoint(f"file://{tmp_path}/z3", 4), lambda: r.signal_rank(1, signal.SIGKILL),
            name="kill rank 1 while checkpoint 4 is written")
-    # Rank 0 prints the step lines, after its own pid line: the pid is the restarted rank 0's.
-    r.on_line(r"\[clsys\] step 5/", lambda: r.signal_rank(0, signal.SIGKILL))
+    # Only the restart completes checkpoint 4, so the pid is the restarted rank 0's.
+    r.when(lambda: complete_checkpoint(f"file://{tmp_path}/z3", 4), lambda: r.signal_rank(0, signal.SIGKILL),
+           name="kill rank 0 once checkpoint 4 is complete")
     result = r.wait()
-    assert "kill rank 1 while checkpoint 4 is written" in result.fired and "line \\[clsys\\] step 5/" in result.fired, \
-        result.fired
+    assert {"kill rank 1 while checkpoint 4 is written", "kill rank 0 once checkpoint 4 is complete"} <= \
+        set(result.fired), result.fired
     assert "resumed from" in result.output and "step-00000002" in result.output
     assert result.returncode == 1 and "error: training failed after 1 restart(s)" in result.output
     assert not (tmp_path / "z3" / "export").exists()
@@ -118,7 +120,8 @@ def test_zero3_kill_9_mid_checkpoint_restarts_then_a_run_out_of_restarts_is_resu
 
 def test_stuck_rank_restarts_a_preemption_notice_stops_and_a_kill_mid_checkpoint_restarts_the_resume(
         shards, baseline, tmp_path):
-    """ZeRO-2, file://, one restart allowed per start. Rank 1 stopped with SIGSTOP at step 3: the
+    """ZeRO-2, file://, one restart allowed per start. Rank 1 stopped with SIGSTOP once checkpoint 2 is
+    complete (at step 3 or 4: it is written in the background): the
     collective watchdog (or the health check) fails the group, whose shutdown waits 5 s for the stuck
     rank, and it restarts from checkpoint 2. Then SIGUSR1 to the driver (SLURM's warning before the
     time limit): checkpoint at the next step, exit 75. `--resume latest` continues, and kill -9 of rank 1
@@ -126,7 +129,8 @@ def test_stuck_rank_restarts_a_preemption_notice_stops_and_a_kill_mid_checkpoint
     if nothing had happened."""
     args = recipe(shards, tmp_path, "z2", "train.zero_stage=2", "cluster.stop_poll_s=0.2", "cluster.max_restarts=1")
     r = Run(args + ["cluster.collective_timeout_s=20", "cluster.health_check_timeout_s=35"])
-    r.on_line(r"\[clsys\] step 3/", lambda: r.signal_rank(1, signal.SIGSTOP))
+    r.when(lambda: complete_checkpoint(f"file://{tmp_path}/z2", 2), lambda: r.signal_rank(1, signal.SIGSTOP),
+           name="SIGSTOP rank 1")
     r.on_line(r"\[clsys\] resumed from", lambda: r.signal_driver(signal.SIGUSR1))
     result = r.wait()
     assert result.returncode == 75, result.output[-3000:]
@@ -230,8 +234,11 @@ def chaos_schedule(seed: int) -> tuple[list[ProcessFault], list]:
     kinds = ["kill", "kill_writing", "stop", "preempt", rng.choice(["kill", "kill_writing", "preempt"])]
     process = [ProcessFault(kind, rng.randrange(2, STEPS + 1, 2) if kind == "kill_writing" else rng.randint(2, STEPS),
                             rng.randint(0, 1)) for kind in kinds]
-    proxy = [Fault(kind, rng.choice(["GET", "PUT", "ANY"]), rng.randint(7, 17))
-             for kind in rng.sample(["reset", "500", "503", "truncate"], 3)]
+    proxy = []
+    for kind in rng.sample(["reset", "500", "503", "truncate"], 3):
+        method = rng.choice(["GET", "PUT", "ANY"])  # drawn for every kind, so that each seed keeps its schedule
+        # A truncated body is a download fault: the proxy cuts responses, and a PUT's response has no body.
+        proxy.append(Fault(kind, "GET" if kind == "truncate" else method, rng.randint(7, 17)))
     return process, proxy
 
 

@@ -20,6 +20,7 @@ def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
                       LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
     from clsys.config import ConfigError, load_config
     from clsys.engine import checkpoint
+    from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.selection import BestTracker, read_best
     from clsys.model.encoder import load_tokenizer
@@ -29,16 +30,19 @@ def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
     cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
                              "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=1", "train.batch_size=8"])
     engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
+    writer = CheckpointWriter(engine, run, keep=1)
 
     def steps(tracker: BestTracker, scores: dict[int, float]) -> list[list[int]]:
-        """The loop's order: evaluate, checkpoint (every step here, keep 1), record a new best."""
+        """The loop's order: evaluate, checkpoint in the background (every step here, keep 1), with a new best
+        tracked at once and written to best.json once its checkpoint is complete."""
         kept = []
         for step, value in scores.items():
-            new_best = tracker.improves({METRIC: value}, step)
-            url = checkpoint.save(engine, run, step, {}, {"world_size": 1}, lambda folder: None, keep=1,
-                                  protect=tracker.protected)
-            if new_best:
-                tracker.record(step, value, url)
+            protect = tracker.protected
+            record = tracker.record(step, value, checkpoint.step_url(run, step)) \
+                if tracker.improves({METRIC: value}, step) else None
+            writer.save(step, {}, {"world_size": 1}, lambda folder: None, protect,
+                        on_complete=(lambda url, record=record: tracker.write(record)) if record else None)
+            writer.wait()
             kept.append([s for s, _ in checkpoint.complete_checkpoints(run)])
         return kept
 

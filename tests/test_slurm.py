@@ -104,77 +104,55 @@ def test_shellcheck_passes():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_two_nodes_train_to_completion(slurm, shards, tmp_path):
+@pytest.mark.timeout(600)
+def test_two_nodes_train_and_usr1_checkpoints_requeues_and_resumes(slurm, shards, tmp_path):
     """sbatch -N2: Ray head on the first node, a Ray worker node on the second (srun steps), the CPU
-    default of one Ray Train worker per node, ZeRO-2 across the two, export at the end.
+    default of one Ray Train worker per node, ZeRO-2 across the two. `scancel --signal=USR1 --batch`
+    mid-run (what SLURM sends before the time limit): the driver checkpoints at the next step and exits
+    75, the script stops Ray on both nodes and requeues the job, and its second run (same log, appended)
+    resumes from that checkpoint on two nodes again, finishes and exports.
 
     Both SLURM nodes are this machine. Ray rewrites a 127.0.0.1 node address to the machine's outward
     one unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which in turn refuses worker nodes; 127.0.0.2 is
     loopback too but not "localhost" to Ray, so the head is given that address (CLSYS_HEAD_IP), as it
     would be given a cluster-network address on real nodes."""
     log, runs = tmp_path / "job.out", tmp_path / "runs"
+    steps = 30
     # No token file: the script makes a token for the job and hands it to every node in the environment.
     env = job_env(CLSYS_HEAD_IP="127.0.0.2", RAY_AUTH_TOKEN_PATH=str(tmp_path / "no-token-here"))
-    job = slurm.sbatch("-N2", "--cpus-per-task=1", "-o", str(log), str(SCRIPT), *recipe(shards, runs, 4),
-                       env=env, cwd=REPO)
-    info = slurm.wait_job(job, timeout=400)
-    out = read(log)
-    print(out[-8000:])
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, slurm.logs())
-    assert info["NodeList"] == f"{slurm.host}-[1-2]"
-    assert "Ray cluster up: 2 node(s), 2 CPU(s), 0 GPU(s)" in out
-    if "RAY_AUTH_TOKEN" not in os.environ:
-        assert "Ray token authentication, with a token made for this job" in out
-    assert "--resume latest --config quickstart cluster.num_workers=2 cluster.use_gpu=false " \
-           "cluster.cpus_per_worker=1 data.url=" in out
-    assert "[clsys] step 4/4" in out and "[clsys] done" in out and "driver exited with 0" in out
-    assert [step for step, _ in complete_checkpoints(str(runs / "slurm"))] == [4]
-    assert (runs / "slurm" / "export" / "model.safetensors").exists()
-    # Ray was stopped by SIGTERM to its steps (ray start --block cleans up), not left behind.
-    assert "stopping Ray on 2 node(s)" in out and "did not stop" not in out
-    assert not ray_processes(env["CLSYS_RAY_PORT"])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_usr1_checkpoints_requeues_and_resumes(slurm, shards, tmp_path):
-    """One node, 2 CPU workers; `scancel --signal=USR1 --batch` mid-run (what SLURM sends before the
-    time limit): the driver checkpoints at the next step and exits 75, the script requeues the job,
-    and its second run (same log, appended) resumes from that checkpoint and finishes."""
-    log, runs = tmp_path / "job.out", tmp_path / "runs"
-    steps = 30
-    env = job_env(CLSYS_WORKERS="2", **loopback_head())
     # ckpt_every beyond the run: the only checkpoint before the last is the one the stop request makes.
-    job = slurm.sbatch("-N1", "--cpus-per-task=2", "-o", str(log), str(SCRIPT),
-                       *recipe(shards, runs, steps, "train.ckpt_every=1000"),
-                       env=env, cwd=REPO)
-    wait_for(lambda: "[clsys] step 3/" in read(log), 300, "step 3", slurm, job, log)
+    job = slurm.sbatch("-N2", "--cpus-per-task=1", "-o", str(log), str(SCRIPT),
+                       *recipe(shards, runs, steps, "train.ckpt_every=1000"), env=env, cwd=REPO)
+    wait_for(lambda: "[clsys] step 3/" in read(log), 360, "step 3", slurm, job, log)
     slurm.run("scancel", "--signal=USR1", "--batch", job)
 
-    info = slurm.wait_job(job, timeout=360)
+    info = slurm.wait_job(job, timeout=420)
     out = read(log)
     print(out[-10000:])
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, slurm.logs())
-    assert info["Restarts"] == "1"
+    assert info["NodeList"] == f"{slurm.host}-[1-2]" and info["Restarts"] == "1", info
     first, _, second = out.partition("run 2 (restarts: 1)")
     assert second, "the job did not run a second time"
+    for run in (first, second):
+        assert "Ray cluster up: 2 node(s), 2 CPU(s), 0 GPU(s)" in run
+        assert "--resume latest --config quickstart cluster.num_workers=2 cluster.use_gpu=false " \
+               "cluster.cpus_per_worker=1 data.url=" in run
+    if "RAY_AUTH_TOKEN" not in os.environ:
+        assert "Ray token authentication, with a token made for this job" in out
     assert "got SIGUSR1: asking the driver" in first
     stopped = re.search(r"\[clsys\] stopped at step (\d+) on request", first)
     assert stopped, first[-4000:]
     at = int(stopped.group(1))
     assert 3 <= at < steps
     assert "driver exited with 75" in first and f"requeueing job {job}" in first
-    assert "stopping Ray on 1 node(s)" in first and "did not stop" not in first
+    # Ray was stopped by SIGTERM to its steps (ray start --block cleans up), not left behind.
+    assert "stopping Ray on 2 node(s)" in first and "did not stop" not in out
     # The second run resumed from the stop's checkpoint (--resume latest) and finished.
     assert f"resumed from file://{runs}/slurm/checkpoints/step-{at:08d} at step {at}" in second
-    assert f"[clsys] step {steps}/{steps}" in second and "driver exited with 0" in second
+    assert f"[clsys] step {steps}/{steps}" in second and "[clsys] done" in second and "driver exited with 0" in second
     assert [step for step, _ in complete_checkpoints(str(runs / "slurm"))] == [at, steps]
     assert (runs / "slurm" / "export" / "model.safetensors").exists()
     assert not ray_processes(env["CLSYS_RAY_PORT"])
-    token = Path.home() / ".ray" / "auth_token"
-    if token.exists() and "RAY_AUTH_TOKEN" not in os.environ:
-        assert f"token from {token}" in out and token.read_text().strip() not in out
 
 
 @pytest.mark.slow
@@ -195,6 +173,9 @@ def test_scancel_stays_cancelled(slurm, shards, tmp_path):
     print(out[-4000:])
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
     assert "got SIGTERM: asking the driver" in out and "requeueing" not in out
+    token = Path.home() / ".ray" / "auth_token"
+    if token.exists() and "RAY_AUTH_TOKEN" not in os.environ:
+        assert f"token from {token}" in out and token.read_text().strip() not in out
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ Layout, one folder per step:
         rank-00000.pt ...      per-rank RNG states and loader position (tensors/ints only)
         hf/                    model config + tokenizer, so that export needs nothing else
         clsys_state.json       step, world size, config, export pooling
-        SHA256SUMS             sha256 of every file above (clsys.integrity)
+        ranks/rank-00000 ...   each rank's "uploaded" marker: the checksums of its files
+        SHA256SUMS             sha256 of every file above (clsys.integrity), merged from the markers
         COMPLETE               written last, by rank 0, after every rank has uploaded
+Written by ``clsys.engine.checkpoint_writer`` (in the background while training goes on, by default).
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
 previous checkpoint as the one resumed from. Every rank checks the files it downloads against
 SHA256SUMS; when a rank finds one changed or missing and an older checkpoint passes the same check,
@@ -103,48 +105,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def save(engine, run_url: str, step: int, rank_state: dict, meta: dict, hf_files, keep: int,
-         protect: str | None = None) -> str:
-    """Collective: every rank calls it. ``hf_files(dir)`` writes config + tokenizer (rank 0 only).
-
-    Keeps the newest ``keep`` complete checkpoints, and ``protect`` (the best one) whatever its age.
-    """
-    rank, url = dist.get_rank(), step_url(run_url, step)
-    if rank == 0 and next(storage.list_prefix(url), None) is not None:
-        # Left by a write cut short, or set aside as damaged: none of its files may mix with the new ones.
-        delete_checkpoint(url)
-    local = tempfile.mkdtemp(prefix="clsys-ckpt-")
-    try:
-        engine.save_checkpoint(local, tag="ds", client_state={"step": step})
-        torch.save(rank_state, os.path.join(local, f"rank-{rank:05d}.pt"))
-        if rank == 0:
-            hf_files(os.path.join(local, "hf"))
-            with open(os.path.join(local, "clsys_state.json"), "wb") as f:
-                f.write(storage.json_bytes({**meta, "step": step, "sums": SUMS}))
-        everyone = [None] * dist.get_world_size()
-        # Also keeps every rank from uploading before rank 0 has cleared the folder.
-        dist.all_gather_object(everyone, integrity.folder_sums(local))
-        storage.upload_dir(local, url)
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
-    dist.barrier()
-    if rank == 0:
-        storage.write_bytes(storage.join(url, SUMS), integrity.format_sums(_merged(everyone, url)))
-        storage.write_bytes(storage.join(url, "COMPLETE"), b"")
-        prune(run_url, keep, protect)
-    dist.barrier()
-    return url
-
-
-def _merged(rank_sums: list[dict[str, str]], url: str) -> dict[str, str]:
-    merged: dict[str, str] = {}
-    for sums in rank_sums:
-        for rel, digest in sums.items():
-            if merged.setdefault(rel, digest) != digest:
-                raise RuntimeError(f"{url}: two ranks wrote different contents to {rel}")
-    return merged
 
 
 def prune(run_url: str, keep: int, protect: str | None = None) -> None:

@@ -24,6 +24,7 @@ from clsys.engine.deepspeed import build_engine, init_distributed, step_precisio
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
+from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.selection import BestTracker, selected_metric
 from clsys.metrics import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
 from clsys.model.encoder import load_tokenizer
@@ -164,7 +165,12 @@ def train_worker(payload: dict) -> None:
     tb.config(cfg, metric)
     collapsing = False  # the alarm's state, so that the console warns once per episode
 
-    def save_checkpoint() -> str:
+    writer = CheckpointWriter(engine, run, cfg.train.keep_checkpoints, background=cfg.train.async_checkpoint,
+                              wait_s=cfg.cluster.collective_timeout_s)
+
+    def save_checkpoint(best_value: float | None) -> None:
+        """Checkpoint this step (written in the background with train.async_checkpoint); ``best_value``:
+        this step's evaluation is the best so far, and its checkpoint becomes the best one once complete."""
         if cfg.train.log_sample_keys:
             # Written with the checkpoint that covers them: after a restart the resumed steps rewrite
             # the same files, so the folder always lists exactly the samples the weights have seen.
@@ -172,14 +178,22 @@ def train_worker(payload: dict) -> None:
             storage.write_bytes(keys_url, "".join(f"{k}\n" for k in consumed).encode())
             consumed.clear()
         rank_state = {"rng": checkpoint.rng_state(), "loader": loader.state_dict()}
-        url = checkpoint.save(engine, run, step, rank_state, meta, hf_files, cfg.train.keep_checkpoints,
-                              protect=best.protected if best else None)
+        # best.json names the previous best until this checkpoint is complete: pruning keeps that one till then.
+        protect = best.protected if best else None
+        record = best.record(step, best_value, checkpoint.step_url(run, step)) if best_value is not None else None
+        saved_step = step
+
+        def complete(url: str) -> None:  # rank 0, once the checkpoint is complete
+            if record is not None:
+                best.write(record)
+            print(f"[clsys] step {saved_step}: checkpoint {url}" +
+                  (f", the best {metric} so far ({record.value:.2f})" if record is not None else ""), flush=True)
+
+        writer.save(step, rank_state, meta, hf_files, protect, complete if rank == 0 else None)
         if rank == 0:
             tb.flush()
             if tb_sync is not None:  # the curves on storage cover at least what the checkpoint covers
                 tb_sync.sync()
-            print(f"[clsys] step {step}: checkpoint {url}", flush=True)
-        return url
 
     def evaluate(at_step: int) -> dict[str, float]:
         # Every rank runs the same forwards (ZeRO-3 gathers weights collectively); rank 0 logs.
@@ -266,23 +280,20 @@ def train_worker(payload: dict) -> None:
             # have them), and each report is a barrier across ranks plus a one-slot queue the controller
             # empties every 2 s: logging more often than that blocked every rank for up to 2 s a report.
 
-        new_best = False
+        best_value = None
         if evaluating and (step % cfg.eval.every == 0 or step == cfg.train.steps):
             scores = evaluate(step)
-            new_best = best is not None and best.improves(scores, step)
+            if best is not None and best.improves(scores, step):
+                best_value = scores[metric]
 
         stopping = stop_watch.should_stop()
-        if new_best or step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stopping:
-            url = save_checkpoint()
-            if new_best:
-                best.record(step, scores[metric], url)
-                if rank == 0:
-                    print(f"[clsys] step {step}: best {metric} so far ({scores[metric]:.2f}), kept as the best "
-                          f"checkpoint", flush=True)
+        if best_value is not None or step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stopping:
+            save_checkpoint(best_value)
         if stopping:
             if rank == 0:
                 print(f"[clsys] step {step}: stopped on request", flush=True)
             break
+    writer.wait()  # the last checkpoint complete before the worker returns
     stop_watch.close()
     clock.close()
     tb.close()

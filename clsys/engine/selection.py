@@ -75,10 +75,14 @@ class BestTracker:
         dist.broadcast_object_list(decision, src=0)
         return decision[0]
 
-    def record(self, step: int, value: float, url: str) -> None:
-        """After the checkpoint at ``url`` is complete: make it the best (rank 0 writes, every rank tracks)."""
+    def record(self, step: int, value: float, url: str) -> BestCheckpoint:
+        """The checkpoint at ``url``, being written now, is the best from here on (every rank tracks it);
+        ``write`` records it once the checkpoint is complete."""
         self.best = BestCheckpoint(self.metric, self.mode, value, step, url)
-        if dist.get_rank() == 0:
-            storage.write_json(storage.join(self.run_url, BEST_RECORD), asdict(self.best))
-            # The superseded best, unprotected now, goes by the keep-last-k rule like any other.
-            checkpoint.prune(self.run_url, self.keep, protect=url)
+        return self.best
+
+    def write(self, best: BestCheckpoint) -> None:
+        """Rank 0, once ``best``'s checkpoint is complete: name it in best.json; the superseded best,
+        unprotected now, goes by the keep-last-k rule like any other."""
+        storage.write_json(storage.join(self.run_url, BEST_RECORD), asdict(best))
+        checkpoint.prune(self.run_url, self.keep, protect=best.checkpoint)

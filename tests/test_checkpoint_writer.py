@@ -1,0 +1,96 @@
+"""The background checkpoint writer (train.async_checkpoint, clsys/engine/checkpoint_writer.py): what is
+written is the state at the save, whatever training does meanwhile; at most one checkpoint is in flight;
+COMPLETE comes last, after every rank's part; a failed write is raised in the step loop.
+
+Real parts: a DeepSpeed ZeRO-2 engine on two gloo ranks (CPU) writing to file://. The whole-run
+equivalence (a run with background checkpoints resumed after kill -9 equals the uninterrupted run, bit
+for bit) is tests/test_fault_tolerance.py's, which runs with the default, the background writer.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.multiprocessing as mp
+
+from clsys import storage
+from tests.conftest import TwoRankCheckpoints, free_port
+
+
+def test_to_host_copies_every_tensor_and_leaf():
+    from clsys.engine.checkpoint_writer import to_host
+
+    weights, scaler = torch.arange(6.0).view(2, 3), {"scale": [1.0]}
+    state = OrderedDict(w=weights, view=weights[:, 1], groups=[{"step": torch.tensor(3), "lr": 0.1}], scaler=scaler,
+                        shape=(2, 3))
+    copy = to_host(state)
+    weights.add_(100)
+    state["groups"][0]["step"].add_(1)
+    scaler["scale"].append(2.0)
+    assert type(copy) is OrderedDict and type(copy["shape"]) is tuple
+    assert torch.equal(copy["w"], torch.arange(6.0).view(2, 3)) and torch.equal(copy["view"], torch.tensor([1.0, 4.0]))
+    assert copy["groups"][0]["step"].item() == 3 and copy["scaler"] == {"scale": [1.0]}
+    assert copy["view"].untyped_storage().nbytes() == 2 * 4  # the view alone, not its base's storage
+
+
+def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    from clsys.engine.checkpoint_writer import CheckpointWriter
+
+    ranks = TwoRankCheckpoints(rank, port, tiny)
+    engine = ranks.engine
+    batch = engine.module.collate([{"txt": f"sentence {rank} {i}", "json": {}} for i in range(4)])
+
+    def train_step() -> None:
+        engine.backward(engine(batch).loss)
+        engine.step()
+
+    train_step()
+    at_save = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    writer = CheckpointWriter(engine, run, keep=10)
+    first = writer.save(1, {"loader": {"rank": rank}}, {"world_size": 2}, lambda folder: None)
+    for _ in range(3):  # the weights and Adam moments change while step 1 is written
+        train_step()
+    second = writer.save(4, {"loader": {"rank": rank}}, {"world_size": 2}, lambda folder: None)
+    # Saving step 4 waited for step 1: on rank 0, that means step 1 is complete.
+    out[f"first-complete-at-second-{rank}"] = storage.exists(storage.join(first, "COMPLETE"))
+    writer.wait()
+    dist.barrier()
+    out[f"second-complete-{rank}"] = storage.exists(storage.join(second, "COMPLETE"))
+    out[f"markers-{rank}"] = sorted(obj.rpartition("/")[2] for obj in storage.list_prefix(storage.join(first, "ranks")))
+    out[f"resumed-{rank}"] = ranks.resume([first])
+    out[f"equal-{rank}"] = all(torch.equal(p, at_save[name]) for name, p in engine.module.named_parameters())
+
+    # A write that fails (the run folder's parent is a file now) is raised by wait(), in the step loop.
+    dist.barrier()
+    blocked = CheckpointWriter(engine, f"file://{ranks_file(run)}/run", keep=10)
+    blocked.save(5, {"loader": {}}, {"world_size": 2}, lambda folder: None)
+    try:
+        blocked.wait()
+        out[f"failure-{rank}"] = "none"
+    except storage.StorageError as err:
+        out[f"failure-{rank}"] = str(err)
+
+
+def ranks_file(run: str) -> str:
+    """A plain file next to the run folder, made by rank 0 (path without the scheme)."""
+    path = run[len("file://"):] + "-blocker"
+    if not storage.exists(f"file://{path}"):
+        with open(path, "w") as f:
+            f.write("not a folder")
+    return path
+
+
+def test_the_background_writer_saves_the_state_at_the_save_while_training_goes_on(tiny, tmp_path):
+    run = f"file://{tmp_path}/run"
+    ranks_file(run)
+    out = mp.Manager().dict()
+    mp.spawn(_train_while_writing, args=(free_port(), tiny, run, out), nprocs=2, join=True)
+    assert out["first-complete-at-second-0"] is True
+    for rank in (0, 1):
+        assert out[f"second-complete-{rank}"] is True
+        assert out[f"markers-{rank}"] == ["rank-00000", "rank-00001"]
+        assert out[f"resumed-{rank}"] == (1, {"rank": rank})
+        assert out[f"equal-{rank}"] is True, "restored weights differ from the weights at the save"
+        assert "-blocker/run/checkpoints/step-00000005" in out[f"failure-{rank}"], out[f"failure-{rank}"]
