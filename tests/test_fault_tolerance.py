@@ -177,10 +177,10 @@ def test_lost_ray_node_restarts_on_a_replacement(shards, baseline, tmp_path):
     assert_same_run(tmp_path / "z2", baseline[2])
 
 
-@pytest.mark.parametrize("workers,stage", [(1, 2), (3, 2), (3, 3)])
+@pytest.mark.parametrize("workers,stage", [(1, 3), (3, 2)])
 def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, workers, stage):
-    """Checkpoint of 2 workers at step 4 → resume with 1 or 3: weights and optimizer resharded, the data
-    position remapped (no sample of the epoch seen twice), the global batch kept."""
+    """Checkpoint of 2 workers at step 4 → resume with 1 (ZeRO-3) or 3 (ZeRO-2): weights and optimizer
+    resharded, the data position remapped (no sample of the epoch seen twice), the global batch kept."""
     batch, name = 12, f"z{stage}"
     run_dir = tmp_path / name
     shutil.copytree(baseline[stage], run_dir, ignore=shutil.ignore_patterns("export", "tensorboard", "ray"))
@@ -204,9 +204,11 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     assert set(after) == set(range(5, STEPS + 1)) and all(v == v for v in after.values())
 
 
-def test_global_batch_that_the_new_worker_count_cannot_divide_is_refused(shards, tmp_path):
-    proc = run("-m", "clsys.pretrain", *recipe(shards, tmp_path, "x", "cluster.num_workers=5"))
-    assert proc.returncode == 2 and "train.batch_size=12 is not divisible by cluster.num_workers" in proc.stderr
+def test_global_batch_that_the_new_worker_count_cannot_divide_is_refused(shards, tmp_path, capsys):
+    from clsys.pretrain import main
+
+    assert main(recipe(shards, tmp_path, "x", "cluster.num_workers=5")) == 2
+    assert "train.batch_size=12 is not divisible by cluster.num_workers" in capsys.readouterr().err
 
 
 @dataclass(frozen=True)

@@ -276,17 +276,20 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_pa
     ("data.length_group_batches=-1", "data.length_group_batches: expected >= 0"),
     ("data.url=/nonexistent/shards", "/nonexistent/shards/sentences/manifest.json"),
 ])
-def test_bad_config_or_data_fails_fast_with_the_key(override, message, tmp_path):
-    proc = run("-m", "clsys.pretrain", f"train.run_root={tmp_path}", override, timeout=120)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+def test_bad_config_or_data_fails_fast_with_the_key(override, message, tmp_path, capsys):
+    """In the driver's process (the CLI's main): each fails before Ray or a worker starts."""
+    from clsys.pretrain import main
+
+    assert main([f"train.run_root={tmp_path}", override]) == 2
+    assert message in capsys.readouterr().err
 
 
-def test_missing_bucket_is_named(s3_server, local_shards):
-    proc = run("-m", "clsys.pretrain", f"data.url={local_shards}", "train.run_root=s3://no-such-bucket/runs",
-               timeout=120)
-    assert proc.returncode == 2
-    assert "s3://no-such-bucket" in proc.stderr and "does not exist" in proc.stderr
+def test_missing_bucket_is_named(s3_server, local_shards, capsys):
+    from clsys.pretrain import main
+
+    assert main([f"data.url={local_shards}", "train.run_root=s3://no-such-bucket/runs"]) == 2
+    err = capsys.readouterr().err
+    assert "s3://no-such-bucket" in err and "does not exist" in err
 
 
 def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local_shards):
