@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -35,27 +34,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sample_data import sample_shards  # noqa: E402
+from sample_data import free_port, sentences  # noqa: E402
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def sentences(n: int) -> list[str]:
-    from clsys import storage
-    from clsys.data.shard_reader import load_shards, read_shard
-
-    found = []
-    for shard in load_shards(storage.join(str(sample_shards()), "sentences")):
-        found += [s["txt"] for s in read_shard(shard)]
-        if len(found) >= n:
-            return found[:n]
-    return (found * (n // len(found) + 1))[:n]
 
 
 def _rank(rank: int, port: int, batch: int, chunk: int, zero: int, texts: list[str], out: dict) -> None:

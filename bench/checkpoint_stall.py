@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,29 +39,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sample_data import sample_shards  # noqa: E402
+from sample_data import free_port, sentences  # noqa: E402
 
 WAYS = ("none", "sync", "background")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def batches(objective, rank: int, world: int, n: int, per_rank: int) -> list[dict]:
-    from clsys import storage
-    from clsys.data.shard_reader import load_shards, read_shard
-
-    texts = []
-    for shard in load_shards(storage.join(str(sample_shards()), "sentences")):
-        texts += [s["txt"] for s in read_shard(shard)]
-        if len(texts) >= world * n * per_rank:
-            break
-    texts = (texts * (world * n * per_rank // len(texts) + 1))
-    start = rank * n * per_rank
-    return [objective.collate([{"txt": t, "json": {}} for t in texts[start + i * per_rank:start + (i + 1) * per_rank]])
+    """This rank's ``n`` collated batches of ``per_rank`` sample sentences (the ranks' texts are disjoint)."""
+    texts = sentences(world * n * per_rank)[rank * n * per_rank:]
+    return [objective.collate([{"txt": t, "json": {}} for t in texts[i * per_rank:(i + 1) * per_rank]])
             for i in range(n)]
 
 

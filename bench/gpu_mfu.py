@@ -186,9 +186,11 @@ def main() -> None:
         words = (args.min_words or args.seq - 2, args.seq - 2)
         batches = [{k: v.cuda() for k, v in objective.collate(samples(args.batch, *words, config["vocab_size"],
                                                                        rng)).items()} for _ in range(4)]
-        tokens = sum(int(v.sum()) for batch in batches for k, v in batch.items() if k.endswith("attention_mask")) / 4
+        tokens = sum(int(v.sum()) for batch in batches for k, v in batch.items()
+                     if k.endswith("attention_mask")) / len(batches)
         objective.cuda().train()
-        flops = sum(count_flops(objective, b) for b in batches) / 4  # before compiling: the counter sees eager ops
+        # Before compiling: the counter sees eager ops. Per step: the mean over the batches the steps cycle through.
+        flops = sum(count_flops(objective, b) for b in batches) / len(batches)
         for way in args.ways:
             torch.cuda.reset_peak_memory_stats()
             if way == "bare":

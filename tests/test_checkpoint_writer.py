@@ -62,9 +62,9 @@ def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -
     out[f"resumed-{rank}"] = ranks.resume([first])
     out[f"equal-{rank}"] = all(torch.equal(p, at_save[name]) for name, p in engine.module.named_parameters())
 
-    # A write that fails (the run folder's parent is a file now) is raised by wait(), in the step loop.
+    # A write that fails (the run folder's parent is a file, made by the test) is raised by wait(), in the step loop.
     dist.barrier()
-    blocked = CheckpointWriter(engine, f"file://{ranks_file(run)}/run", keep=10)
+    blocked = CheckpointWriter(engine, f"{run}-blocker/run", keep=10)
     blocked.save(5, {"loader": {}}, {"world_size": 2}, lambda folder: None)
     try:
         blocked.wait()
@@ -73,18 +73,9 @@ def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -
         out[f"failure-{rank}"] = str(err)
 
 
-def ranks_file(run: str) -> str:
-    """A plain file next to the run folder, made by rank 0 (path without the scheme)."""
-    path = run[len("file://"):] + "-blocker"
-    if not storage.exists(f"file://{path}"):
-        with open(path, "w") as f:
-            f.write("not a folder")
-    return path
-
-
 def test_the_background_writer_saves_the_state_at_the_save_while_training_goes_on(tiny, tmp_path):
     run = f"file://{tmp_path}/run"
-    ranks_file(run)
+    (tmp_path / "run-blocker").write_text("not a folder")
     out = mp.Manager().dict()
     mp.spawn(_train_while_writing, args=(free_port(), tiny, run, out), nprocs=2, join=True)
     assert out["first-complete-at-second-0"] is True

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
 from clsys import integrity, storage
 from clsys.engine.checkpoint import delete_checkpoint, prune, step_url
 from clsys.integrity import SUMS
@@ -99,7 +100,6 @@ class _Write:
     """One checkpoint being written by this rank."""
 
     url: str
-    step: int
     local: str  # the folder this rank's files are written to, then uploaded from
     snapshots: list
     protect: str | None
@@ -141,9 +141,9 @@ class CheckpointWriter:
                 hf_files(os.path.join(local, "hf"))
                 with open(os.path.join(local, "clsys_state.json"), "wb") as f:
                     f.write(storage.json_bytes({**meta, "step": step, "sums": SUMS}))
-            job = _Write(url, step, local, self.snapshots.take(), protect, on_complete)
+            job = _Write(url, local, self.snapshots.take(), protect, on_complete)
         except BaseException:
-            self.snapshots.taken = []
+            self.snapshots.take()  # drops what was snapshotted before the failure
             shutil.rmtree(local, ignore_errors=True)
             raise
         if self.background:

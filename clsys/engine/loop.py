@@ -20,11 +20,11 @@ from clsys import storage
 from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, config_from_dict, run_url
 from clsys.engine import checkpoint
+from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
-from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.selection import BestTracker, selected_metric
 from clsys.metrics import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
 from clsys.model.encoder import load_tokenizer
