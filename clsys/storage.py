@@ -264,13 +264,13 @@ def write_bytes(url: str, data: bytes) -> None:
     if loc.scheme == "s3":
         _s3_call(url, s3_client().put_object, Bucket=loc.bucket, Key=loc.path, Body=data)
         return
-    _replace_file(url, lambda f: f.write(data))
+    write_file(url, lambda f: f.write(data))
 
 
-def _replace_file(url: str, fill) -> None:
-    """Write the local file of ``url`` atomically: ``fill(f)`` writes a temporary file beside it, which
-    is flushed to disk and renamed over it. A failure (a full disk, a read-only mount) removes the
-    temporary file, leaves the old file as it was and raises StorageError naming ``url``."""
+def write_file(url: str, fill) -> None:
+    """Write the local file of ``url`` (file:// or a path) atomically: ``fill(f)`` writes a temporary file
+    beside it, which is flushed to disk and renamed over it. A failure (a full disk, a read-only mount)
+    removes the temporary file, leaves the old file as it was and raises StorageError naming ``url``."""
     path = parse(url).path
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -361,7 +361,7 @@ def upload_file(local_path: str, url: str) -> None:
         _s3_call(url, s3_client().upload_file, local_path, loc.bucket, loc.path, Config=cfg)
         return
     with open(local_path, "rb") as source:
-        _replace_file(url, lambda f: shutil.copyfileobj(source, f, 1 << 20))
+        write_file(url, lambda f: shutil.copyfileobj(source, f, 1 << 20))
 
 
 def download_file(url: str, local_path: str) -> None:

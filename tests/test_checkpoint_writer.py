@@ -1,6 +1,7 @@
 """The background checkpoint writer (train.async_checkpoint, clsys/engine/checkpoint_writer.py): what is
 written is the state at the save, whatever training does meanwhile; at most one checkpoint is in flight;
-COMPLETE comes last, after every rank's part; a failed write is raised in the step loop.
+COMPLETE comes last, after every rank's part; a failed write is raised in the step loop; in a file://
+run folder DeepSpeed's state files are serialised in place, not copied.
 
 Real parts: a DeepSpeed ZeRO-2 engine on two gloo ranks (CPU) writing to file://. The whole-run
 equivalence (a run with background checkpoints resumed after kill -9 equals the uninterrupted run, bit
@@ -46,6 +47,13 @@ def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -
         engine.backward(engine(batch).loss)
         engine.step()
 
+    copied = []  # the files the writer copies from its staging folder to the run folder
+
+    def recording_upload(local_path: str, url: str, upload=storage.upload_file) -> None:
+        copied.append(url.rpartition("/")[2])
+        upload(local_path, url)
+
+    storage.upload_file = recording_upload
     train_step()
     at_save = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     writer = CheckpointWriter(engine, run, keep=10)
@@ -61,6 +69,7 @@ def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -
     out[f"markers-{rank}"] = sorted(obj.rpartition("/")[2] for obj in storage.list_prefix(storage.join(first, "ranks")))
     out[f"resumed-{rank}"] = ranks.resume([first])
     out[f"equal-{rank}"] = all(torch.equal(p, at_save[name]) for name, p in engine.module.named_parameters())
+    out[f"copied-{rank}"] = copied
 
     # A write that fails (the run folder's parent is a file, made by the test) is raised by wait(), in the step loop.
     dist.barrier()
@@ -85,3 +94,6 @@ def test_the_background_writer_saves_the_state_at_the_save_while_training_goes_o
         assert out[f"resumed-{rank}"] == (1, {"rank": rank})
         assert out[f"equal-{rank}"] is True, "restored weights differ from the weights at the save"
         assert "-blocker/run/checkpoints/step-00000005" in out[f"failure-{rank}"], out[f"failure-{rank}"]
+        # In a file:// run folder DeepSpeed's (large) state files are serialised in place, never copied.
+        assert f"rank-0000{rank}.pt" in out[f"copied-{rank}"] and \
+            not [name for name in out[f"copied-{rank}"] if name.endswith("_states.pt")], out[f"copied-{rank}"]

@@ -7,6 +7,13 @@ stop only for a snapshot: DeepSpeed's checkpoint engine is wrapped (``HostSnapsh
 it, and a thread per rank then serialises, hashes and uploads while the next steps run. The host holds
 that copy of the model and optimizer state until it is written.
 
+The thread serialises DeepSpeed's files itself (``torch.save``, the format of DeepSpeed's default
+checkpoint engine, which loads them) and hashes the bytes as they are written, so no file is read back
+to be hashed. In a local or shared run folder (file://) they are written straight into the checkpoint
+folder, each atomically, instead of into a temporary folder and then copied: one write of the
+checkpoint's bytes instead of two, and no room needed for them in the temporary folder. Elsewhere (s3://)
+they go to the temporary folder and are uploaded from there.
+
 The thread runs no collective (the training loop's collectives own the process group): each rank
 announces its finished upload with a marker object ``ranks/rank-NNNNN`` holding its files' checksums;
 rank 0's thread, once every rank's marker is there, writes SHA256SUMS and then COMPLETE (still last),
@@ -21,6 +28,7 @@ checkpoint is complete (tests, and ``train.async_checkpoint: false``).
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import shutil
 import tempfile
@@ -28,6 +36,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -59,7 +68,7 @@ def to_host(obj):
 
 class HostSnapshots:
     """DeepSpeed's checkpoint engine with ``save`` deferred: the state dicts are copied to host memory and
-    kept (``take``); everything else (loading, and the eventual writes) goes to the engine it wraps."""
+    kept (``take``) for the writer to serialise; everything else (loading) goes to the engine it wraps."""
 
     def __init__(self, inner):
         self.inner, self.name, self.taken = inner, f"host snapshots over {inner.name}", []
@@ -80,9 +89,33 @@ class HostSnapshots:
             torch.cuda.synchronize()  # the pinned copies have landed
         return taken
 
-    def write(self, taken: list[tuple[str, object]]) -> None:
-        for path, state in taken:
-            self.inner.save(state, path)
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through it (``torch.save`` needs only write and flush)."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_hashed(state, url: str, zipfile_serialization: bool = True) -> str:
+    """``torch.save`` ``state`` to the local file of ``url`` (atomically, see ``storage.write_file``);
+    returns the sha256 of the bytes written."""
+    writer = None
+
+    def fill(file) -> None:
+        nonlocal writer
+        writer = _HashingWriter(file)
+        torch.save(state, writer, _use_new_zipfile_serialization=zipfile_serialization)
+
+    storage.write_file(url, fill)
+    return writer.sha256.hexdigest()
 
 
 def _yield_to_training() -> None:
@@ -100,7 +133,7 @@ class _Write:
     """One checkpoint being written by this rank."""
 
     url: str
-    local: str  # the folder this rank's files are written to, then uploaded from
+    local: str  # staging: DeepSpeed's and this rank's small files (and, for s3://, the serialised state)
     snapshots: list
     protect: str | None
     on_complete: Callable[[str], None] | None
@@ -178,9 +211,17 @@ class CheckpointWriter:
             shutil.rmtree(job.local, ignore_errors=True)
 
     def _write(self, job: _Write) -> None:
-        self.snapshots.write(job.snapshots)
-        job.snapshots.clear()  # the host copy goes as soon as it is on disk
-        sums = integrity.folder_sums(job.local)
+        in_place = storage.parse(job.url).scheme == "file"  # see the module's docstring
+        zipfile_serialization = getattr(self.snapshots.inner, "zipfile_serialization", True)
+        sums = {}
+        while job.snapshots:
+            path, state = job.snapshots.pop(0)  # each host copy goes as soon as it is written
+            rel = Path(path).relative_to(job.local).as_posix()
+            sums[rel] = save_hashed(state, storage.join(job.url, rel) if in_place else f"file://{path}",
+                                    zipfile_serialization)
+        # What the staging folder holds: DeepSpeed's small files, this rank's state, rank 0's config, and
+        # (not in place) the files just written.
+        sums.update(integrity.folder_sums(job.local, skip=sums.__contains__))
         storage.upload_dir(job.local, job.url)
         marker = storage.join(job.url, RANK_MARKERS, f"rank-{self.rank:05d}")
         storage.write_bytes(marker, integrity.format_sums(sums))
