@@ -64,6 +64,12 @@ def parse(url: str | os.PathLike) -> Location:
     bucket, _, key = rest.partition("/")
     if scheme == "s3" and not bucket:
         raise StorageError(f"{url}: an s3:// URL needs a bucket name")
+    if ":" in bucket.rpartition("@")[0]:
+        # URLs are printed (console lines, errors, manifests): a password in one would be logged.
+        host = bucket.rpartition("@")[2]
+        raise StorageError(f"{scheme}://…@{host}: a password in a storage URL would be printed in logs; give it "
+                           f"through the filesystem's configuration instead (FSSPEC_{scheme.upper()}_PASSWORD, "
+                           f"docs/operations/storage.md)")
     if scheme != "s3":
         _fsspec_class(url, scheme)  # an unknown scheme, or one whose package is missing, fails here
     return Location(scheme, bucket, key.strip("/"))

@@ -39,6 +39,10 @@ def test_urls_parse_and_join():
     assert storage.join("memory://bucket/a", "x") == "memory://bucket/a/x"
     assert storage.is_local("/tmp/x") and storage.is_local("file:///tmp/x")
     assert not storage.is_local("memory://bucket/a") and not storage.is_local("s3://bucket/a")
+    with pytest.raises(storage.StorageError, match="a password in a storage URL") as err:
+        storage.parse("ftp://alice:s3cret@127.0.0.1:21/data")
+    assert "s3cret" not in str(err.value) and "127.0.0.1:21" in str(err.value)
+    assert storage.parse("ftp://alice@127.0.0.1/data").bucket == "alice@127.0.0.1"  # a user name alone is no secret
 
 
 def test_round_trips(mem, tmp_path):
