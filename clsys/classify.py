@@ -55,7 +55,7 @@ class Classifier:
 
 
 def load(url: str) -> Classifier:
-    if not storage.is_s3(url):
+    if storage.is_local(url):
         return Classifier(storage.parse(url).path)
     with tempfile.TemporaryDirectory() as local:
         storage.download_dir(url, local)
@@ -64,7 +64,8 @@ def load(url: str) -> Classifier:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clsys.classify", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a CSS-LM run's export folder (local path, file:// or s3://)")
+    parser.add_argument("--model", required=True,
+                        help="a CSS-LM run's export folder (local path or storage URL: file://, s3://, gs://, …)")
     parser.add_argument("--texts", action="store_true", help="FILE is plain text, one example a line: print predictions")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("file")

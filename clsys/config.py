@@ -27,7 +27,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    url: str = "runs/quickstart/shards"  # root written by `data_prep wiki --out`; streams are sub-folders
+    # root written by `data_prep wiki --out`; streams are sub-folders. Local folder, file://, s3://, or another
+    # scheme fsspec knows (gs://, az://, hf://, …; its package installed: docs/operations/storage.md)
+    url: str = "runs/quickstart/shards"
     max_length: int = 32  # tokens per sentence after truncation (SimCSE: 32)
     shuffle_buffer: int = 2048  # samples held per loader worker for shuffling
     loader_workers: int = 1  # DataLoader worker processes per training rank
@@ -78,7 +80,10 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     name: str = "quickstart"  # run name: the run lives at <run_root>/<name>
-    run_root: str = "runs"  # local folder, file:// or s3:// URL
+    # local folder, file:// or s3:// URL, or another scheme fsspec knows (gs://: pip install gcsfs, az://: adlfs,
+    # hf://: huggingface_hub), which has no run lease (set cluster.lease_ttl_s=0) and is atomic per object only
+    # where the store is (docs/operations/storage.md)
+    run_root: str = "runs"
     steps: int = 200  # optimizer steps
     batch_size: int = 32  # global batch (all ranks, all accumulation steps)
     grad_accum: int = 1  # micro-batches per optimizer step (in-batch negatives are per micro-batch × ranks)
@@ -98,7 +103,7 @@ class TrainConfig:
     async_checkpoint: bool = True  # write checkpoints in the background (training stops for a host-memory snapshot)
     keep_checkpoints: int = 2  # complete checkpoints kept (the best one, eval.select, is kept besides)
     resume: str = ""  # "" (fresh run; refuses to overwrite), "latest", or a checkpoint URL
-    tensorboard_sync_s: float = 60.0  # s3:// runs: copy the event files to <run>/tensorboard this often
+    tensorboard_sync_s: float = 60.0  # remote runs: copy the event files to <run>/tensorboard this often
     log_sample_keys: bool = False  # write every consumed sample key to <run>/sample_keys/ at checkpoints
     profile: bool = False  # log perf/time_<phase>_s: where the step's time goes (syncs the GPU at each phase)
     # perf/mfu's divisor: the device's peak TFLOP/s at the step's precision; 0: the data-sheet bf16 peak of

@@ -409,9 +409,9 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     print(f"[clsys] exported {used} ({chosen})", flush=True)
     if cfg.eval.sts_test:
         with tempfile.TemporaryDirectory() as local:
-            if storage.is_s3(exported):
+            if not storage.is_local(exported):
                 storage.download_dir(exported, local)
-            title, rows = compare_on_sts(cfg, local if storage.is_s3(exported) else storage.parse(exported).path)
+            title, rows = compare_on_sts(cfg, storage.parse(exported).path if storage.is_local(exported) else local)
         from clsys.model_card import add_evaluation
 
         add_evaluation(exported, title, rows)  # the figures travel with the model, in its card
@@ -420,7 +420,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     print(f"  shards:      {stream}")
     print(f"  checkpoints: {storage.join(run, 'checkpoints')}")
     print(f"  model:       {exported}")
-    if storage.is_s3(run):
+    if not storage.is_local(run):
         print(f"  logs:        python -m clsys.tensorboard {run}")
     else:
         print(f"  logs:        tensorboard --logdir {storage.parse(run).path}/tensorboard --host 127.0.0.1")

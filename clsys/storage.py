@@ -1,9 +1,19 @@
-"""One place for storage URLs: ``s3://bucket/key``, ``file:///abs/path`` and plain local paths.
+"""One place for storage URLs: ``s3://bucket/key``, ``file:///abs/path``, plain local paths, and
+every other scheme fsspec knows (``gs://``, ``az://``, ``hf://``, …).
 
 Everything that reads or writes shards, manifests, checkpoints or logs goes through here, so
 that S3 specifics (endpoint, retries, multipart) live in one file. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
 nothing here logs them.
+
+Other schemes go through ``fsspec.filesystem(scheme)``, whose package (gcsfs, adlfs,
+huggingface_hub, …) finds its own credentials and reads fsspec's own configuration
+(``FSSPEC_<SCHEME>_<OPTION>`` variables, ``~/.config/fsspec``). A write is one put to the final
+name: atomic on object stores (gs://, az://, hf://), not on filesystems that write a file as it
+arrives (ftp://, sftp://), where a reader may see part of one. They have no compare-and-swap, so
+no run lease (``write_if``). Calls that fail with an OSError other than a missing file or a refused
+permission (a reset connection, a timeout) are retried ``ATTEMPTS`` times with backoff, a read or
+download as a whole; a stream from ``open_read`` relies on the filesystem's own retries.
 
 Faults: botocore retries every request (connection reset, 500, 503 SlowDown, a response body cut
 short) up to ``ATTEMPTS`` times with backoff, uploads and multipart parts included. What it cannot
@@ -38,38 +48,44 @@ MULTIPART_BYTES = 64 * 2**20  # uploads this big go in parts of this size
 
 @dataclass(frozen=True)
 class Location:
-    scheme: str  # "s3" or "file"
-    bucket: str  # empty for file
-    path: str  # key for s3 (no leading slash), absolute path for file
+    scheme: str  # "file", "s3", or another fsspec protocol ("gs", "az", "hf", "memory", …)
+    bucket: str  # what follows "://" up to the first "/" (bucket, container, host); empty for file
+    path: str  # key for object stores (no leading slash), absolute path for file
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.path}" if self.scheme == "s3" else f"file://{self.path}"
+        return f"file://{self.path}" if self.scheme == "file" else f"{self.scheme}://{self.bucket}/{self.path}"
 
 
 def parse(url: str | os.PathLike) -> Location:
     url = str(url)
-    if url.startswith("s3://"):
-        bucket, _, key = url[5:].partition("/")
-        if not bucket:
-            raise StorageError(f"{url}: an s3:// URL needs a bucket name")
-        return Location("s3", bucket, key.strip("/"))
-    if url.startswith("file://"):
-        url = url[7:]
-    elif "://" in url:
-        raise StorageError(f"{url}: unsupported URL scheme (use s3://, file:// or a local path)")
-    return Location("file", "", str(Path(url).expanduser().resolve()))
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        return Location("file", "", str(Path(rest if sep else url).expanduser().resolve()))
+    bucket, _, key = rest.partition("/")
+    if scheme == "s3" and not bucket:
+        raise StorageError(f"{url}: an s3:// URL needs a bucket name")
+    if ":" in bucket.rpartition("@")[0]:
+        # URLs are printed (console lines, errors, manifests): a password in one would be logged.
+        host = bucket.rpartition("@")[2]
+        raise StorageError(f"{scheme}://…@{host}: a password in a storage URL would be printed in logs; give it "
+                           f"through the filesystem's configuration instead (FSSPEC_{scheme.upper()}_PASSWORD, "
+                           f"docs/operations/storage.md)")
+    if scheme != "s3":
+        _fsspec_class(url, scheme)  # an unknown scheme, or one whose package is missing, fails here
+    return Location(scheme, bucket, key.strip("/"))
 
 
 def join(url: str, *parts: str) -> str:
     loc = parse(url)
     tail = "/".join(p.strip("/") for p in parts if p)
-    if loc.scheme == "s3":
-        return f"s3://{loc.bucket}/{loc.path + '/' if loc.path else ''}{tail}"
-    return f"file://{os.path.join(loc.path, tail)}"
+    if loc.scheme == "file":
+        return f"file://{os.path.join(loc.path, tail)}"
+    return f"{loc.scheme}://{loc.bucket}/{loc.path + '/' if loc.path else ''}{tail}"
 
 
-def is_s3(url: str) -> bool:
-    return str(url).startswith("s3://")
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a folder on this machine (a local path or file://), which tools can use in place."""
+    return parse(url).scheme == "file"
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,12 +213,89 @@ class _S3Reader(io.IOBase):
         super().close()
 
 
+def _fsspec_class(url: str, scheme: str):
+    from fsspec.registry import get_filesystem_class, known_implementations
+
+    try:
+        return get_filesystem_class(scheme)
+    except ValueError:
+        raise StorageError(f"{url}: unsupported URL scheme {scheme}:// (use s3://, file://, a local path, or a "
+                           f"scheme fsspec knows, such as gs://, az:// or hf://)") from None
+    except ImportError as err:
+        package = known_implementations[scheme]["class"].partition(".")[0]
+        # fsspec's own implementations (sftp://, http://, …) need a package its message names.
+        need = str(err) if package == "fsspec" else f"pip install {package}"
+        raise StorageError(f"{url}: the {scheme}:// scheme needs a package that is not installed ({need}): "
+                           f"{err.__cause__ or err}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _fsspec_fs(pid: int, scheme: str, bucket: str):
+    # One filesystem per process and bucket or host (an ftp:// URL's host carries its options), like
+    # the S3 client: the pid, because async filesystems hold an event loop that a fork does not carry.
+    # Listings are read fresh, never from fsspec's cache: other processes write the same store (Ray
+    # workers, data_prep), and a stale listing would hide a checkpoint or a shard.
+    import fsspec.core
+
+    del pid
+    return fsspec.core.url_to_fs(f"{scheme}://{bucket}/", use_listings_cache=False)[0]
+
+
+def _fsspec(loc: Location):
+    """The fsspec filesystem of ``loc`` and the path that names it there."""
+    fs = _fsspec_fs(os.getpid(), loc.scheme, loc.bucket)
+    return fs, fs._strip_protocol(str(loc))
+
+
+# Failures that another try cannot mend; other OSErrors (ConnectionError, TimeoutError, …) are retried.
+_PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
+_RAISE = object()
+
+
+def _fsspec_call(url: str, fn, *args, missing=_RAISE, **kwargs):
+    """``fn(*args, **kwargs)``, a call on an fsspec filesystem, tried up to ``ATTEMPTS`` times. A missing
+    object returns ``missing`` when given; every failure raises StorageError naming ``url``."""
+    for failures in range(1, ATTEMPTS + 1):
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            if missing is _RAISE:
+                raise StorageError(f"{url}: no such object") from None
+            return missing
+        except OSError as err:
+            if isinstance(err, _PERMANENT) or failures == ATTEMPTS:
+                raise StorageError(f"{url}: {type(err).__name__}: {err}") from None
+            time.sleep(_backoff(failures))
+        except Exception as err:  # the filesystem's own errors (an HTTP 403, a bad token, …)
+            raise StorageError(f"{url}: {type(err).__name__}: {err}") from None
+
+
+def _fsspec_write(url: str, write) -> None:
+    """``write(fs, path)`` puts the whole object at its final name."""
+    fs, path = _fsspec(parse(url))
+    # Filesystems rooted at "/" (ftp, sftp) have real folders, which must exist before a file goes in;
+    # object stores have none, and making one there could create a bucket.
+    if fs.root_marker == "/":
+        _fsspec_call(url, fs.makedirs, fs._parent(path), exist_ok=True)
+    _fsspec_call(url, write, fs, path)
+
+
+def _no_compare_and_swap(url: str) -> StorageError:
+    return StorageError(f"{url}: {parse(url).scheme}:// has no compare-and-swap write, which the run lease needs "
+                        f"(clsys has it on s3:// and on local or shared folders); set cluster.lease_ttl_s=0 to "
+                        f"run without a lease, and start only one driver on the run")
+
+
 def open_read(url: str) -> BinaryIO:
     """A binary stream over the object; S3 objects are streamed, not downloaded first, and a
-    connection that breaks mid-object is resumed from where it stopped."""
+    connection that breaks mid-object is resumed from where it stopped. Other schemes: the
+    filesystem's own file object (opening is retried, reading only as the filesystem does)."""
     loc = parse(url)
     if loc.scheme == "s3":
         return _S3Reader(url, loc)
+    if loc.scheme != "file":
+        fs, path = _fsspec(loc)
+        return _fsspec_call(url, fs.open, path, "rb")
     try:
         return open(loc.path, "rb")
     except OSError as err:
@@ -210,6 +303,10 @@ def open_read(url: str) -> BinaryIO:
 
 
 def read_bytes(url: str) -> bytes:
+    loc = parse(url)
+    if loc.scheme not in ("s3", "file"):  # one call, so that a retry reads the object again
+        fs, path = _fsspec(loc)
+        return _fsspec_call(url, fs.cat_file, path)
     with open_read(url) as f:
         return f.read()
 
@@ -255,6 +352,9 @@ def exists(url: str) -> bool:
     loc = parse(url)
     if loc.scheme == "file":
         return os.path.exists(loc.path)
+    if loc.scheme != "s3":
+        fs, path = _fsspec(loc)
+        return _fsspec_call(url, fs.info, path, missing=None) is not None
     return _s3_or_none(url, s3_client().head_object, _MISSING, Bucket=loc.bucket, Key=loc.path) is not None
 
 
@@ -263,8 +363,10 @@ def write_bytes(url: str, data: bytes) -> None:
     loc = parse(url)
     if loc.scheme == "s3":
         _s3_call(url, s3_client().put_object, Bucket=loc.bucket, Key=loc.path, Body=data)
-        return
-    write_file(url, lambda f: f.write(data))
+    elif loc.scheme != "file":
+        _fsspec_write(url, lambda fs, path: fs.pipe_file(path, data))
+    else:
+        write_file(url, lambda f: f.write(data))
 
 
 def write_file(url: str, fill) -> None:
@@ -297,7 +399,7 @@ def _file_lock(path: str):
         yield
 
 
-def _file_etag(data: bytes) -> str:
+def _content_etag(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
@@ -307,19 +409,25 @@ def read_versioned(url: str) -> tuple[bytes, str] | None:
     if loc.scheme == "s3":
         resp = _s3_or_none(url, s3_client().get_object, _MISSING, Bucket=loc.bucket, Key=loc.path)
         return None if resp is None else (resp["Body"].read(), resp["ETag"])
+    if loc.scheme != "file":
+        fs, path = _fsspec(loc)
+        data = _fsspec_call(url, fs.cat_file, path, missing=None)
+        return None if data is None else (data, _content_etag(data))
     try:
         with open(loc.path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return None
-    return data, _file_etag(data)
+    return data, _content_etag(data)
 
 
 def write_if(url: str, data: bytes, version: str | None) -> str | None:
     """Compare-and-swap: write ``data`` only if the object is absent (``version`` None) or still at
     ``version``; the new version tag, or None when the condition did not hold. S3 conditional writes
-    (If-None-Match / If-Match); a file under an exclusive lock."""
+    (If-None-Match / If-Match); a file under an exclusive lock. Other schemes have none: StorageError."""
     loc = parse(url)
+    if loc.scheme not in ("s3", "file"):
+        raise _no_compare_and_swap(url)
     if loc.scheme == "s3":
         condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
         resp = _s3_or_none(url, s3_client().put_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
@@ -330,12 +438,14 @@ def write_if(url: str, data: bytes, version: str | None) -> str | None:
         if (current[1] if current else None) != version:
             return None
         write_bytes(url, data)
-    return _file_etag(data)
+    return _content_etag(data)
 
 
 def delete_if(url: str, version: str) -> bool:
     """Delete the object if it is still at ``version``; whether it was."""
     loc = parse(url)
+    if loc.scheme not in ("s3", "file"):
+        raise _no_compare_and_swap(url)
     if loc.scheme == "s3":
         return _s3_or_none(url, s3_client().delete_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
                            IfMatch=version) is not None
@@ -360,6 +470,9 @@ def upload_file(local_path: str, url: str) -> None:
         cfg = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
         _s3_call(url, s3_client().upload_file, local_path, loc.bucket, loc.path, Config=cfg)
         return
+    if loc.scheme != "file":
+        _fsspec_write(url, lambda fs, path: fs.put_file(local_path, path))
+        return
     with open(local_path, "rb") as source:
         write_file(url, lambda f: shutil.copyfileobj(source, f, 1 << 20))
 
@@ -376,6 +489,10 @@ def download_file(url: str, local_path: str) -> None:
             _s3_call(url, s3_client().download_file, loc.bucket, loc.path, local_path, Config=cfg)
         except OSError as err:  # the local side: a full disk
             raise StorageError(f"{url}: downloading to {local_path} failed: {err.strerror or err}") from None
+        return
+    if loc.scheme != "file":
+        fs, path = _fsspec(loc)
+        _fsspec_call(url, fs.get_file, path, local_path)
         return
     try:
         shutil.copyfile(loc.path, local_path)
@@ -399,6 +516,15 @@ def list_sizes(url: str) -> Iterator[tuple[str, int]]:
                 if p.is_file():
                     yield f"file://{p}", p.stat().st_size
         return
+    if loc.scheme != "s3":
+        fs, root = _fsspec(loc)
+        # Only what is under the folder, as for s3 and file: find() of a file's own name returns it.
+        prefix = root.rstrip("/") + "/"
+        found = _fsspec_call(url, fs.find, root, detail=True, missing={})
+        for path, info in sorted(found.items()):
+            if info["type"] == "file" and path.startswith(prefix):
+                yield join(url, path[len(prefix):]), info["size"]
+        return
     prefix = loc.path + "/" if loc.path else ""
     paginator = s3_client().get_paginator("list_objects_v2")
     pages = _s3_call(url, lambda: list(paginator.paginate(Bucket=loc.bucket, Prefix=prefix)))
@@ -411,6 +537,9 @@ def delete(url: str) -> None:
     loc = parse(url)
     if loc.scheme == "s3":
         _s3_call(url, s3_client().delete_object, Bucket=loc.bucket, Key=loc.path)
+    elif loc.scheme != "file":  # an object, or a folder and all under it, like rmtree; none is no error
+        fs, path = _fsspec(loc)
+        _fsspec_call(url, fs.rm, path, recursive=True, missing=None)
     elif os.path.isdir(loc.path):
         shutil.rmtree(loc.path)
     elif os.path.exists(loc.path):
@@ -429,16 +558,21 @@ def download_dir(url: str, local_dir: str) -> None:
     for obj in list_prefix(url):
         rel = parse(obj).path[len(base):].lstrip("/")
         target = os.path.realpath(os.path.join(root, rel))
-        # An S3 key may hold "../" (or start with "/"): it must not write outside the folder.
+        # An object's name may hold "../" (or start with "/"): it must not write outside the folder.
         if os.path.commonpath([root, target]) != root or target == root:
             raise StorageError(f"{obj}: the object's name leaves the folder it is downloaded into")
         download_file(obj, target)
 
 
 def check_bucket(url: str) -> None:
-    """Fail early, with a clear message, when an s3:// bucket is missing or the credentials are wrong."""
+    """Fail early, with a clear message, when an s3:// bucket is missing or the credentials are wrong;
+    on other remote schemes, when ``url`` cannot be reached (its absence is no error)."""
     loc = parse(url)
+    if loc.scheme == "file":
+        return
     if loc.scheme != "s3":
+        fs, path = _fsspec(loc)
+        _fsspec_call(url, fs.info, path, missing=None)
         return
     from botocore.exceptions import BotoCoreError, ClientError
 

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = args.run if "://" in args.run else os.path.abspath(args.run)
     try:
-        if not storage.is_s3(run):
+        if storage.is_local(run):
             local_run = storage.parse(run).path
             logdir = os.path.join(local_run, LOG_FOLDER)
             logdir = logdir if os.path.isdir(logdir) else local_run

@@ -180,7 +180,7 @@ class ShardWriter:
 
 def shard_url(stream_url: str, name: str) -> str:
     """A manifest's shard name as a URL: a file name in the stream folder, or (data_prep manifest --out
-    elsewhere) an absolute s3:// or file:// URL."""
+    elsewhere) an absolute storage URL (s3://, file://, gs://, …)."""
     return name if "://" in name else storage.join(stream_url, name)
 
 
@@ -226,7 +226,7 @@ def read_manifest(stream_url: str) -> dict:
                 raise StorageError(f"{url}: manifest field 'shards[{i}].name': {err}") from None
         elif "/" in name or name.startswith("."):
             raise StorageError(f"{url}: manifest field 'shards[{i}].name' must be a file name in the stream "
-                               f"folder or an s3:// or file:// URL")
+                               f"folder or a storage URL (s3://, file://, gs://, …)")
     for section, fields in (("tokenizer", _TOKENIZER), ("foreign", _FOREIGN)):
         for key, typ in fields.items() if section in manifest else ():
             if not isinstance(manifest[section], dict) or not isinstance(manifest[section].get(key), typ):

@@ -117,7 +117,7 @@ def prune(run_url: str, keep: int, protect: str | None = None) -> None:
 def delete_checkpoint(url: str) -> None:
     # The marker goes first: a half-deleted folder must never look complete.
     storage.delete(storage.join(url, "COMPLETE"))
-    if storage.is_s3(url):
+    if not storage.is_local(url):  # an object store: its objects one by one
         for obj in storage.list_prefix(url):
             storage.delete(obj)
     else:

@@ -128,9 +128,9 @@ class Worker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.tb_dir = local_tensorboard_dir(cfg) if self.rank == 0 else None
         self.tb = TensorBoard(self.tb_dir)
-        # s3:// runs: the local event files are copied to <run>/tensorboard periodically and at each stage's end.
+        # Remote runs: the local event files are copied to <run>/tensorboard periodically and at each stage's end.
         self.tb_sync = (EventSync(self.tb_dir, storage.join(self.run_url, LOG_FOLDER), cfg.train.tensorboard_sync_s)
-                        if self.tb_dir is not None and storage.is_s3(self.run_url) else None)
+                        if self.tb_dir is not None and not storage.is_local(self.run_url) else None)
         self.step = 0  # TensorBoard step: stage C continues stage A's count
 
     def log(self, message: str) -> None:

@@ -145,7 +145,7 @@ def train_worker(payload: dict) -> None:
     tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
     tb = TensorBoard(tb_dir)
     tb_sync = (EventSync(tb_dir, storage.join(run, LOG_FOLDER), cfg.train.tensorboard_sync_s)
-               if tb_dir is not None and storage.is_s3(run) else None)
+               if tb_dir is not None and not storage.is_local(run) else None)
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),

@@ -204,17 +204,18 @@ def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
 
 
 def load_tokenizer(name: str):
-    """A tokenizer folder (local, file:// or s3://), a packaged alias, or a hub id."""
+    """A tokenizer folder (local, or a storage URL: file://, s3://, gs://, …), a packaged alias, or a hub id."""
     from transformers import AutoTokenizer
 
     from clsys import storage
 
-    if storage.is_s3(name):
-        local = tempfile.mkdtemp(prefix="clsys-tokenizer-")
-        storage.download_dir(name, local)
-        name = local
-    elif name.startswith("file://"):
-        name = storage.parse(name).path
+    if "://" in name:  # not a hub id or an alias
+        if storage.is_local(name):
+            name = storage.parse(name).path
+        else:
+            local = tempfile.mkdtemp(prefix="clsys-tokenizer-")
+            storage.download_dir(name, local)
+            name = local
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
 
