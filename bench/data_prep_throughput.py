@@ -26,8 +26,13 @@ dump size: data_prep with 1 process also runs on a --small-mb dump (default a qu
 is compared. Peak memory follows the longest page read, so both dumps must hold a whole pass over the
 sample (6.1 MB). A dump made by repetition has few, long pages (about 36 per MB, half of
 them redirects), so state that grows per article is barely exercised.
-Prints a table, then ``ratio`` lines (targets: data_prep ≥ 2× WikiExtractor per core, big/small
-peak memory ≈ 1). Not part of the test suite.
+Cleanliness is measured too: the share of output sentences that still hold wiki markup (any of
+``RESIDUE``), for data_prep's sentences stream and for WikiExtractor's text split into sentences by
+the same splitter (sentencex; data_prep also drops sentences under 3 words or 15 characters and over
+1,000 characters, WikiExtractor's are all counted, which can only lower its share).
+Prints a table, the residue line (target: data_prep's share at most WikiExtractor's), then ``ratio``
+lines (targets: data_prep ≥ 1× WikiExtractor per CPU-second, big/small peak memory ≈ 1). Not part of
+the test suite.
 """
 from __future__ import annotations
 
@@ -42,18 +47,22 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil  # installed with deepspeed
+from sentencex import segment
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 MB = 10**6
 POLL_S = 0.2  # memory sampling period: often enough for peaks that last seconds, cheap on a busy machine
 ID = re.compile(rb"<id>\d+</id>")
+# Wiki markup and template residue that no reader should see in prose.
+RESIDUE = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref", "</ref", "&nbsp;", "''", "==", "<!--", "[http")
 
 
 @functools.lru_cache(maxsize=1)
@@ -162,29 +171,59 @@ def measure(cmd: list[str], log: Path) -> Run:
                peak["procs"], log.with_suffix(".out").read_text())
 
 
-def run_data_prep(path: Path, workers: int, work: Path) -> tuple[Run, int, int]:
-    """(run, pages read, articles) of ``data_prep wiki``, from its summary line."""
+@dataclass
+class Residue:
+    """How many output sentences hold any of ``RESIDUE``, of how many."""
+
+    dirty: int = 0
+    sentences: int = 0
+
+    def count(self, sentence: str) -> None:
+        self.dirty += any(mark in sentence for mark in RESIDUE)
+        self.sentences += 1
+
+    def __str__(self) -> str:
+        return f"{100 * self.dirty / max(self.sentences, 1):.3f}% ({self.dirty:,} of {self.sentences:,} sentences)"
+
+
+def run_data_prep(path: Path, workers: int, work: Path) -> tuple[Run, int, int, Residue]:
+    """(run, pages read, articles, residue of its sentences stream) of ``data_prep wiki``."""
     out = work / f"data_prep-{workers}w"
     shutil.rmtree(out, ignore_errors=True)
     run = measure([sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--out", str(out),
                    "--workers", str(workers)], out)
+    residue = Residue()
+    for shard in sorted((out / "sentences").glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.name.endswith(".txt"):
+                    residue.count(tar.extractfile(member).read().decode())
     shutil.rmtree(out)
     pages, articles = map(int, re.search(r"pages read: (\d+), articles: (\d+)", run.stdout).groups())
-    return run, pages, articles
+    return run, pages, articles, residue
 
 
-def run_wikiextractor(path: Path, processes: int, work: Path) -> tuple[Run, int]:
-    """(run, articles): the <doc> elements it wrote."""
+def run_wikiextractor(path: Path, processes: int, work: Path) -> tuple[Run, int, Residue]:
+    """(run, articles: the <doc> elements it wrote, residue of its text lines split into sentences)."""
     out = work / f"wikiextractor-{processes}p"
     shutil.rmtree(out, ignore_errors=True)
     run = measure([sys.executable, "-m", "wikiextractor.WikiExtractor", str(path), "--no-templates", "--quiet",
                    "--processes", str(processes), "-o", str(out)], out)
-    docs = 0
-    for file in out.rglob("wiki_*"):
-        with open(file, "rb") as f:
-            docs += sum(line.startswith(b"<doc ") for line in f)
+    docs, residue = 0, Residue()
+    for file in sorted(out.rglob("wiki_*")):
+        with open(file, encoding="utf-8") as f:
+            title_next = False  # a <doc> starts with the article's title on a line of its own
+            for line in f:
+                if line.startswith("<doc "):
+                    docs, title_next = docs + 1, True
+                elif title_next:
+                    title_next = False
+                elif line.strip() and line.strip() != "</doc>":
+                    for sentence in segment("en", line.strip()):
+                        if sentence.strip():
+                            residue.count(sentence.strip())
     shutil.rmtree(out)
-    return run, docs
+    return run, docs, residue
 
 
 def run_reader(path: Path, work: Path) -> tuple[Run, int]:
@@ -220,14 +259,14 @@ def main() -> None:
     small, small_meta = dump(work, small_mb)
     load = os.getloadavg()[0]
 
-    ours, theirs = {}, {}  # N → (run, pages, articles)
+    ours, theirs, residues = {}, {}, {}  # N → (run, pages, articles); (tool, N) → Residue
     for n in (1, 2):
-        ours[n] = run_data_prep(big, n, work)
+        *ours[n], residues["data_prep", n] = run_data_prep(big, n, work)
     for n in (1, 2):
-        run, docs = run_wikiextractor(big, n, work)
+        run, docs, residues["wikiextractor", n] = run_wikiextractor(big, n, work)
         theirs[n] = (run, big_meta["pages"], docs)  # it reports no page count: the dump's
     reader_run, reader_pages = run_reader(big, work)
-    small_run, small_pages, small_articles = run_data_prep(small, 1, work)
+    small_run, small_pages, small_articles, _ = run_data_prep(small, 1, work)
     rows = ([("data_prep wiki", n, *ours[n]) for n in (1, 2)]
             + [("WikiExtractor --no-templates", n, *theirs[n]) for n in (1, 2)]
             + [("data_prep reader only", 1, reader_run, reader_pages, None)])
@@ -256,6 +295,9 @@ def main() -> None:
     if wrong:
         sys.exit(f"data_prep_throughput: expected {big_meta['pages']} pages and {big_meta['articles']} articles "
                  f"({small_meta['pages']} and {small_meta['articles']} on the small dump), got: " + "; ".join(wrong))
+
+    print(f"markup residue (sentences holding any of {' '.join(RESIDUE)}): data_prep wiki "
+          f"{residues['data_prep', 1]}, WikiExtractor --no-templates {residues['wikiextractor', 1]}")
 
     print()
     for n in (1, 2):  # same MB and N on both sides: MB/s/core and MB/CPU-s ratios are time ratios

@@ -3,6 +3,11 @@
 Templates, refs, tables, files/images, categories, interlanguage links, comments and non-prose tags
 are dropped; formatting tags keep their inner text, links keep their label; tail sections
 (References, External links, … and their de/fr/es names) are dropped with their sub-sections.
+
+Building the tree is most of the cost, so ``prerender`` first cuts the constructs dropped anyway
+(templates and arguments, tables, file and category links, non-prose extension tags) out of the text
+and replaces plain links by their text, in one linear pass with a bracket stack: the parser then
+sees little more than prose.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 import mwparserfromhell
+from mwparserfromhell.definitions import PARSER_BLACKLIST
 from mwparserfromhell.nodes import (Argument, Comment, ExternalLink, Heading, HTMLEntity, Tag, Template,
                                     Text, Wikilink)
 
@@ -43,6 +49,25 @@ _PRE_CUT = re.compile(r"<!--.*?(?:-->|$)|<ref\b[^>]*?/>|<ref\b[^>]*?>.*?</ref\s*
 _POSSESSIVE = re.compile(r"'''(?=s\b)")  # ''Iliad'''s -> Iliad's
 _BOLD_ITALIC = re.compile(r"'{2,}")
 _LEFTOVER_TAG = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?/?>")
+# prerender's events: runs of braces and of brackets (read as mwparserfromhell reads them:
+# "{{{" opens an argument, "}}}}}" closes an argument and a template), table starts and ends (at a
+# line start, after at most one whitespace character, as the parser requires), and the opening tags
+# of the extension tags whose content the parser takes as plain text, so brackets inside count for nothing.
+_EVENT = re.compile(r"(?P<open_braces>\{\{+)|(?P<close_braces>\}\}+)|(?P<open_link>\[\[+)|(?P<close_link>\]\]+)"
+                    r"|^[^\S\n]?(?:(?P<open_table>\{\|)|(?P<close_table>\|\}))"
+                    r"|<(?P<tag>%s)\b[^<>]*>" % "|".join(PARSER_BLACKLIST), re.MULTILINE | re.IGNORECASE)
+_CLOSE_TAG = {name: re.compile(rf"</{name}\s*>", re.IGNORECASE) for name in PARSER_BLACKLIST}
+# A link title the parser accepts (no newline, brackets or angle brackets), with no template in it.
+_LINK_TITLE = re.compile(r"[^\n\[\]{}<>|]*(?=\||\]\])")
+# A link that renders as plain text: title and label free of markup and of anything that could start
+# a construct once the brackets are gone (quotes, entities, the ":" of URLs and namespaces, the "=" of
+# headings), each starting with a word character (so no list or heading marker lands at a line start).
+_PLAIN_LINK = re.compile(r"\[\[(\w[^\n\[\]{}<>|&'=:!]*)(?:\|(\w[^\n\[\]{}<>|&'=:!]*))?\]\](?!\])")
+# What a dropped construct is replaced with: an empty comment renders as nothing but, unlike nothing,
+# keeps its neighbours apart as the construct did: "''{{lang|fr|x}}''" must not become a "''''" quote
+# run, nor "{{x}}* y" a list item.
+_DROPPED = "<!---->"
+_BRACES, _TABLE, _LINK, _DROPPED_LINK = range(4)  # kinds of prerender's open constructs
 
 
 @dataclass
@@ -57,10 +82,11 @@ class WikitextCleaner:
     def __init__(self, media_prefixes=MEDIA_PREFIXES, category_prefixes=CATEGORY_PREFIXES):
         self.media_prefixes = {p.lower() for p in media_prefixes}
         self.category_prefixes = {p.lower() for p in category_prefixes}
+        self._dropped_links = frozenset(self.media_prefixes | self.category_prefixes)
 
     def sections(self, wikitext: str) -> list[Section]:
         """Split at headings (any level), render each section, drop tail sections and their children."""
-        code = mwparserfromhell.parse(_PRE_CUT.sub("", wikitext))
+        code = mwparserfromhell.parse(prerender(_PRE_CUT.sub("", wikitext), self._dropped_links))
         out: list[Section] = []
         path: list[tuple[int, str]] = []  # (level, title) of the enclosing headings
         skip_below: int | None = None  # inside a tail section of this level
@@ -107,7 +133,7 @@ class WikitextCleaner:
         return "".join(parts)
 
     def _wikilink(self, link: Wikilink) -> str:
-        target = str(link.title).strip()
+        target = str(link.title).replace(_DROPPED, "").strip()  # a template in the title was cut out
         prefix = target.split(":", 1)[0].strip().lower() if ":" in target else ""
         if not target.startswith(":"):
             if prefix in self.media_prefixes or prefix in self.category_prefixes:
@@ -116,7 +142,7 @@ class WikitextCleaner:
                 return ""  # [[de:Foo]] is an interlanguage link, not rendered in the text
         if link.text is not None:
             return self.render(link.text.nodes)
-        return target.lstrip(":").split("#", 1)[0] or target.lstrip("#")
+        return _link_text(target)
 
     def _tag(self, tag: Tag) -> str:
         name = str(tag.tag).strip().lower()
@@ -132,6 +158,93 @@ class WikitextCleaner:
         """Blank lines separate paragraphs; a single newline inside one renders as a space."""
         text = _LEFTOVER_TAG.sub("", _MAGIC_WORD.sub("", text))
         return [p for p in (_clean_line(block) for block in re.split(r"\n\s*\n", text)) if p]
+
+
+def prerender(text: str, link_prefixes: frozenset[str]) -> str:
+    """``text`` with what ``WikitextCleaner`` renders as nothing cut out and plain links replaced by their text.
+
+    Cut, with everything inside them: templates and arguments, tables, links whose namespace prefix
+    (lower case) is in ``link_prefixes``, and the non-prose extension tags of ``_DROP_TAGS``; each
+    leaves ``_DROPPED`` in its place. Plain links (``_PLAIN_LINK``) become the text they render as.
+    One pass over the text with a stack of open constructs, nested as mwparserfromhell nests them: a
+    closer closes the innermost open construct when it is of its kind, and is text otherwise. An
+    opener that never closes is text to the parser, which then reads what follows it in another light:
+    a stack cannot follow that, so everything after such an opener is left to the parser as it is.
+    """
+    stack: list[list[int]] = []  # [kind, start, braces still open] of the open constructs, innermost last
+    cuts: list[tuple[int, int, str]] = []  # (start, end, replacement) of closed constructs; nested ones too
+    closing_tags: dict[str, re.Match | None] = {}  # next closing tag of each extension tag; None: no more
+    pos = 0
+    while (event := _EVENT.search(text, pos)) is not None:
+        kind = event.lastgroup
+        start, pos = event.span(kind)
+        if kind == "open_braces":
+            stack.append([_BRACES, start, pos - start])
+        elif kind == "close_braces":
+            left = pos - start
+            while left >= 2 and stack and stack[-1][0] == _BRACES:
+                entry = stack[-1]
+                used = 3 if min(entry[2], left) >= 3 else 2  # an argument if both sides have three braces
+                entry[2] -= used
+                left -= used
+                cuts.append((entry[1] + entry[2], pos - left, _DROPPED))
+                if entry[2] < 2:  # a single "{" left over is text
+                    stack.pop()
+        elif kind == "open_link":
+            plain = _PLAIN_LINK.match(text, start) if pos - start == 2 else None
+            # After "<" or "&", the label could make a tag or an entity of what follows the link.
+            if plain is not None and (start == 0 or text[start - 1] not in "<&"):
+                target, label = plain.groups()
+                cuts.append((start, plain.end(), label if label is not None else _link_text(target.strip())))
+                pos = plain.end()
+                continue
+            start = pos - 2  # "[[[": the first "[" is text
+            title = _LINK_TITLE.match(text, pos)
+            target = title.group().strip() if title else ""
+            dropped = (":" in target and not target.startswith(":")
+                       and target.split(":", 1)[0].strip().lower() in link_prefixes)
+            stack.append([_DROPPED_LINK if dropped else _LINK, start, 0])
+        elif kind == "close_link":
+            left = pos - start
+            while left >= 2 and stack and stack[-1][0] in (_LINK, _DROPPED_LINK):
+                entry = stack.pop()
+                left -= 2
+                if entry[0] == _DROPPED_LINK:
+                    # A lone "]" left at the end of the run closed an external link in the caption.
+                    cuts.append((entry[1], pos if left == 1 else pos - left, _DROPPED))
+        elif kind == "open_table":
+            stack.append([_TABLE, start, 0])
+        elif kind == "close_table":
+            if stack and stack[-1][0] == _TABLE:
+                cuts.append((stack.pop()[1], pos, _DROPPED))
+            else:  # "|}}" in a template is a separator and the template's end: read the braces again
+                pos = start + 1
+        else:  # an extension tag: its content is text, up to its closing tag
+            if event.group().endswith("/>"):
+                continue
+            name = event.group("tag").lower()
+            found = closing_tags.get(name)
+            if name not in closing_tags or (found is not None and found.start() < pos):
+                found = closing_tags[name] = _CLOSE_TAG[name].search(text, pos)
+            if found is None:  # never closed: the parser takes the opening tag as text and reads on
+                continue
+            if name in _DROP_TAGS:
+                cuts.append((event.start(), found.end(), _DROPPED))
+            pos = found.end()
+    if stack:
+        cuts = [cut for cut in cuts if cut[1] <= stack[0][1]]
+    parts, end = [], 0
+    for cut_start, cut_end, replacement in sorted(cuts, key=lambda cut: (cut[0], -cut[1])):  # outer first
+        if cut_start >= end:  # not inside a cut already made
+            parts += (text[end:cut_start], replacement)
+            end = cut_end
+    parts.append(text[end:])
+    return "".join(parts)
+
+
+def _link_text(target: str) -> str:
+    """What a link without a label shows: its target without a leading ":" and without the "#section"."""
+    return target.lstrip(":").split("#", 1)[0] or target.lstrip("#")
 
 
 def _clean_line(text: str) -> str:
