@@ -40,7 +40,7 @@ def recipe(shards: str, runs: Path, name: str, *extra: str) -> list[str]:
     return ["--config", "quickstart", f"data.url={shards}", f"train.run_root={runs}", f"train.name={name}",
             f"train.steps={STEPS}", "train.ckpt_every=2", "train.keep_checkpoints=10", "train.log_every=1",
             "train.batch_size=12", "train.log_sample_keys=true", "data.loader_workers=2", "data.shuffle_buffer=64",
-            "eval.sts_dev=", "eval.sts_test=", *extra]
+            "eval.sts_dev=", "eval.sts_test=", "eval.heatmap_text=", *extra]
 
 
 def losses(run_dir: Path) -> dict[int, float]:

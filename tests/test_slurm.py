@@ -46,7 +46,7 @@ def shards(tmp_path_factory):
 def recipe(shards: str, runs: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "quickstart", f"data.url={shards}", f"train.run_root={runs}", "train.name=slurm",
             f"train.steps={steps}", "train.log_every=1", "train.batch_size=8", "data.shuffle_buffer=64",
-            "eval.sts_dev=", "eval.sts_test=", *extra]
+            "eval.sts_dev=", "eval.sts_test=", "eval.heatmap_text=", *extra]
 
 
 def job_env(**extra: str) -> dict[str, str]:
