@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
 
+from clsys import storage
+from clsys.storage import StorageError
 from data_prep.wikitext import CATEGORY_PREFIXES, MEDIA_PREFIXES
 
 
@@ -27,6 +29,11 @@ CHUNK_BYTES = 1 << 16  # small enough that a fault is located to within 64 KiB o
 # Wikimedia project suffixes of a dbname ("enwiki", "dewiktionary", "zh_yuewiki") → language prefix.
 _DBNAME_SUFFIXES = ("wiktionary", "wikibooks", "wikinews", "wikiquote", "wikisource", "wikiversity",
                     "wikivoyage", "wiki")
+# Wikimedia's dump file names start with the dbname: "dewiki-20240601-pages-articles.xml.bz2".
+_DUMP_FILE_DBNAME = re.compile(r"([a-z][a-z_]*)-")
+# Hosts whose first label is a language: "fr.wikipedia.org", "de.wiktionary.org". Other wikis' hosts
+# ("muppet.fandom.com", "wiki.example.com") say nothing about the language.
+_WIKIMEDIA_HOST = re.compile(r"([a-z][a-z-]*)\.(?:wikipedia|%s)\.org" % "|".join(_DBNAME_SUFFIXES[:-1]))
 
 
 class DumpError(Exception):
@@ -53,14 +60,21 @@ class SiteInfo:
     category_prefixes: set[str] = field(default_factory=lambda: set(CATEGORY_PREFIXES))
 
     @property
-    def lang(self) -> str:
-        """Language code from ``<dbname>`` (``enwiki`` → ``en``), else from the ``<base>`` host."""
-        if self.dbname:
-            for suffix in _DBNAME_SUFFIXES:
-                if self.dbname.endswith(suffix) and len(self.dbname) > len(suffix):
-                    return self.dbname[: -len(suffix)].replace("_", "-")
-        host = urlparse(self.base or "").hostname or ""
-        return host.split(".")[0] if host.count(".") >= 2 else "und"
+    def lang(self) -> str | None:
+        """Language code from ``<dbname>`` (``enwiki`` → ``en``), else from a Wikimedia ``<base>`` host
+        (``https://fr.wikipedia.org/…`` → ``fr``); None when neither tells."""
+        lang = dbname_lang(self.dbname or "")
+        if lang is None and (host := _WIKIMEDIA_HOST.fullmatch(urlparse(self.base or "").hostname or "")):
+            lang = host.group(1)
+        return lang
+
+
+def dbname_lang(dbname: str) -> str | None:
+    """``enwiki`` → ``en``, ``zh_yuewiki`` → ``zh-yue``, ``dewiktionary`` → ``de``; None for other names."""
+    for suffix in _DBNAME_SUFFIXES:
+        if dbname.endswith(suffix) and len(dbname) > len(suffix):
+            return dbname[: -len(suffix)].replace("_", "-")
+    return None
 
 
 @dataclass
@@ -89,16 +103,26 @@ class DumpReader:
     """Streams the pages of one dump file (.xml, or .bz2 including multistream / concatenated bz2)."""
 
     def __init__(self, path: str):
-        self.path = path
+        self.path = path  # a local path, or an object-store URL (s3://, gs://, …) streamed through clsys.storage
         self.bytes_read = 0  # input (compressed) bytes consumed so far
         self.siteinfo = SiteInfo()
+        self.head_fault: TruncatedDump | None = None
+
+    @property
+    def lang(self) -> str | None:
+        """The dump's language: its ``<siteinfo>``'s (read first), else the dbname its Wikimedia file name
+        starts with (``hewiki-20240601-pages-articles.xml.bz2`` → ``he``); None when neither tells."""
+        name = _DUMP_FILE_DBNAME.match(os.path.basename(self.path))
+        return self.siteinfo.lang or (dbname_lang(name.group(1)) if name else None)
 
     def _raw_chunks(self) -> Iterator[bytes]:
         """Decompressed bytes; a bz2 fault becomes ``TruncatedDump`` at the current input offset."""
         try:
-            f = open(self.path, "rb")
+            f = open(self.path, "rb") if "://" not in self.path else storage.open_read(self.path)
         except OSError as err:
             raise DumpError(f"cannot open: {err.strerror}") from None
+        except StorageError as err:
+            raise DumpError(f"cannot open: {err}") from None
         self.bytes_read = 0
         with f:
             head = f.read(CHUNK_BYTES)
@@ -155,7 +179,8 @@ class DumpReader:
     def read_siteinfo(self) -> SiteInfo:
         """Read only the head of the file: validates it (``DumpError``) and returns its ``<siteinfo>``.
 
-        A fault after the ``<mediawiki>`` root is left for ``pages()`` to report as truncation.
+        A fault after the ``<mediawiki>`` root is left for ``pages()`` to report as truncation; one before the
+        ``<siteinfo>`` ends is kept in ``head_fault`` too (the dump's language may then be unknown).
         """
         try:
             for event, elem in self._events():
@@ -164,8 +189,8 @@ class DumpReader:
                     break
                 if event == "start" and _local(elem.tag) == "page":
                     break
-        except TruncatedDump:
-            pass
+        except TruncatedDump as err:
+            self.head_fault = err
         return self.siteinfo
 
     def _set_siteinfo(self, elem: ET.Element) -> None:

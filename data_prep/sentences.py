@@ -1,6 +1,7 @@
 """Language-aware sentence splitting (Wikimedia's sentencex) and sentence → passage packing."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from sentencex import segment
@@ -13,8 +14,12 @@ MAX_CHARS = 1000
 # Wiki markup that survived cleaning (mwparserfromhell gives up on some malformed constructs):
 # such a sentence is debris, not prose.
 MARKUP = ("[[", "]]", "{{", "}}", "|")  # a pipe in prose is nearly always table/template debris
-# sentencex falls back through its own language chains; "und" (unknown) uses English rules.
-FALLBACK_LANG = "en"
+# Chinese and Japanese put no spaces between words, so whitespace would see one "word" a sentence and
+# drop them all as too short. Each Han or kana character counts as a word instead (as BERT-style
+# tokenizers split them; a passage budget of 200 words is then ~200 characters) and as two characters
+# against MIN_CHARS, as in display columns (a CJK sentence needs 8 characters, ~4-5 English words).
+# Korean (Hangul) is written with spaces and needs nothing of this.
+_CJK = re.compile(r"[\u3005\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f]")
 
 
 @dataclass
@@ -33,19 +38,25 @@ class Passage:
 def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
     """Sentences of one paragraph that pass the length filters; rejects are counted in ``stats``."""
     out = []
-    for sentence in segment(lang if lang != "und" else FALLBACK_LANG, text):
+    for sentence in segment(lang, text):
         sentence = sentence.strip()
         if not sentence:
             continue
         if len(sentence) > MAX_CHARS:
             stats.too_long += 1
-        elif len(sentence) < MIN_CHARS or len(sentence.split()) < MIN_WORDS:
+        elif len(sentence) + len(_CJK.findall(sentence)) < MIN_CHARS or count_words(sentence) < MIN_WORDS:
             stats.too_short += 1
         elif any(m in sentence for m in MARKUP):
             stats.markup += 1
         else:
             out.append(sentence)
     return out
+
+
+def count_words(text: str) -> int:
+    """Whitespace-separated words, each Chinese or Japanese character counted as one (``_CJK``)."""
+    cjk = len(_CJK.findall(text))
+    return len(_CJK.sub(" ", text).split()) + cjk if cjk else len(text.split())
 
 
 def pack_passages(sentences: list[str], max_words: int) -> list[Passage]:
@@ -57,7 +68,7 @@ def pack_passages(sentences: list[str], max_words: int) -> list[Passage]:
     current: list[str] = []
     words = 0
     for sentence in sentences:
-        n = len(sentence.split())
+        n = count_words(sentence)
         if current and words + n > max_words:
             passages.append(Passage(" ".join(current), words))
             current, words = [], 0

@@ -1,4 +1,4 @@
-"""``data_prep wiki``: MediaWiki XML dumps → sentence and passage shards.
+"""``data_prep wiki``: MediaWiki XML dumps → sentence and passage shards, one stream pair per language.
 
 The command feeds the articles of each dump (read by ``dumps.DumpReader``) through a process pool
 (wikitext cleaning in ``wikitext.py``, sentence splitting in ``sentences.py``) into two
@@ -7,6 +7,10 @@ writers shuffle each ``--shuffle-window-mb`` of samples with ``--seed`` before w
 then mix many articles (in-batch negatives from one article are often false negatives).
 A Wikimedia *multistream* dump with its index (``--index``) is read in parallel too: pool workers
 each decompress, parse and process one bz2 block (``dumps.BlockReader``).
+
+Each dump's language comes from its ``<siteinfo>`` or its Wikimedia file name (``DumpReader.lang``).
+Dumps of several languages give ``OUT/<lang>/sentences`` and ``OUT/<lang>/documents`` (``--layout``); one
+language keeps the plain ``OUT/sentences`` and ``OUT/documents``.
 """
 from __future__ import annotations
 
@@ -17,10 +21,11 @@ import functools
 import itertools
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from tqdm import tqdm
@@ -34,6 +39,13 @@ from data_prep.sentences import Passage, SplitStats, pack_passages, split_senten
 from data_prep.shards import ShardWriter, previous_shas
 from data_prep.wikitext import WikitextCleaner
 
+STREAMS = ("sentences", "documents")
+# The first four count pages, the last three sentences.
+SKIP_REASONS = ("redirect", "non_article", "duplicate", "empty", "too_short", "too_long", "markup")
+# What a folder or prefix given as --input contributes: Wikimedia's names ("…-pages-articles.xml.bz2",
+# "…-pages-articles1.xml-p1p41242.bz2") and plain exports ("export.xml"); indexes ("…-index.txt.bz2") are not dumps.
+DUMP_NAME = re.compile(r"\.xml(?:-p\d+p\d+[\w-]*)?(?:\.bz2)?$")
+
 
 @dataclass
 class SourceReport:
@@ -44,10 +56,24 @@ class SourceReport:
     dbname: str | None
     pages_read: int = 0
     articles: int = 0
+    bytes_read: int = 0  # of the (compressed) file
     status: str = "complete"  # "truncated": reading stopped early; "corrupt": some multistream blocks unreadable
     error: str | None = None
     byte_offset: int | None = None
     pages_lost: int = 0  # pages of unreadable multistream blocks (counted from the index)
+
+
+@dataclass
+class Counts:
+    """One language's totals: its row of the summary table and its ``counts`` in its manifests."""
+
+    files: int = 0
+    pages: int = 0
+    articles: int = 0
+    sentences: int = 0
+    passages: int = 0
+    bytes_read: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
 
 
 @dataclass
@@ -150,31 +176,42 @@ def ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
 
 
 class WikiJob:
-    """State of one ``data_prep wiki`` run: readers in, two shard streams out."""
+    """State of one ``data_prep wiki`` run: readers in, two shard streams per output folder out.
 
-    def __init__(self, args: argparse.Namespace, tmp_dir: str):
+    ``folders`` maps each language to its output folder; languages sharing one (``--layout flat``)
+    share its streams.
+    """
+
+    def __init__(self, args: argparse.Namespace, tmp_dir: str, folders: dict[str, str]):
         self.args = args
+        self.folders = folders
         max_bytes = int(args.shard_size_mb * 2**20)
-        self.streams = {name: ShardWriter(storage.join(args.out, name), tmp_dir, max_bytes,
-                                          previous_shas(storage.join(args.out, name)),
-                                          int(args.shuffle_window_mb * 2**20), args.seed)
-                        for name in ("sentences", "documents")}
-        self.skipped = dict.fromkeys(("redirect", "non_article", "duplicate", "empty", "too_short", "too_long", "markup"), 0)
+        self.writers: dict[str, dict[str, ShardWriter]] = {}
+        for folder in dict.fromkeys(folders.values()):
+            tmp = tempfile.mkdtemp(dir=tmp_dir)  # every folder's streams name their shards alike
+            self.writers[folder] = {name: ShardWriter(storage.join(folder, name), tmp, max_bytes,
+                                                      previous_shas(storage.join(folder, name)),
+                                                      int(args.shuffle_window_mb * 2**20), args.seed)
+                                    for name in STREAMS}
+        self.counts = {lang: Counts() for lang in folders}
         self.sources: list[SourceReport] = []
         self.seen: set[tuple[str, int]] = set()
         self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
 
     def admit(self, report: SourceReport, page_id: int, skip: str | None) -> bool:
         """Count one page read; True when it is a new article to write, else its skip is counted."""
+        counts = self.counts[report.lang]
         report.pages_read += 1
+        counts.pages += 1
         self.bar.update()
         if skip is None and (report.lang, page_id) in self.seen:
             skip = "duplicate"  # keys must stay unique across overlapping inputs
         if skip is not None:
-            self.skipped[skip] += 1
+            counts.skipped[skip] += 1
             return False
         self.seen.add((report.lang, page_id))
         report.articles += 1
+        counts.articles += 1
         return True
 
     def tasks(self, reader: DumpReader, report: SourceReport) -> Iterator[PageTask]:
@@ -233,92 +270,158 @@ class WikiJob:
         report.pages_lost += pages
 
     def write(self, result: PageResult) -> None:
-        self.skipped["too_short"] += result.stats.too_short
-        self.skipped["too_long"] += result.stats.too_long
-        self.skipped["markup"] += result.stats.markup
+        counts, streams = self.counts[result.lang], self.writers[self.folders[result.lang]]
+        for reason in ("too_short", "too_long", "markup"):
+            counts.skipped[reason] += getattr(result.stats, reason)
         if not result.sections:
-            self.skipped["empty"] += 1
+            counts.skipped["empty"] += 1
             return
         n_sent = n_doc = 0
         for heading, sentences, passages in result.sections:
             meta = {"lang": result.lang, "page_id": result.page_id, "title": result.title, "section": heading}
             key = f"{result.lang}-{result.page_id}"
             for sentence in sentences:
-                self.streams["sentences"].write(f"{key}-{n_sent:05d}", sentence, meta)
+                streams["sentences"].write(f"{key}-{n_sent:05d}", sentence, meta)
                 n_sent += 1
             for passage in passages:
-                self.streams["documents"].write(f"{key}-{n_doc:05d}", passage.text,
-                                                {**meta, "n_chars": len(passage.text)})
+                streams["documents"].write(f"{key}-{n_doc:05d}", passage.text, {**meta, "n_chars": len(passage.text)})
                 n_doc += 1
+        counts.sentences += n_sent
+        counts.passages += n_doc
 
     def run(self, readers: list[DumpReader], indexes: list[str | None]) -> None:
         workers = self.args.workers
         pool = multiprocessing.Pool(workers) if workers > 1 else None
+        # A folder's streams are closed after its last input: its shuffle windows (up to
+        # --shuffle-window-mb per stream) are written out then, not held until every language is read.
+        last = {self.folders[reader.lang]: reader for reader in readers}
         try:
             for reader, index in zip(readers, indexes):
-                info = reader.siteinfo
-                report = SourceReport(os.path.basename(reader.path), info.lang, info.dbname)
+                report = SourceReport(os.path.basename(reader.path), reader.lang, reader.siteinfo.dbname)
                 self.sources.append(report)
                 if index is not None:
                     self.read_blocks(pool, reader, index, report)
-                    continue
-                for result in ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
-                    self.write(result)
+                    report.bytes_read = os.path.getsize(reader.path)
+                else:
+                    for result in ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
+                        self.write(result)
+                    report.bytes_read = reader.bytes_read
+                counts = self.counts[reader.lang]
+                counts.files += 1
+                counts.bytes_read += report.bytes_read
+                folder = self.folders[reader.lang]
+                if last[folder] is reader:
+                    for writer in self.writers[folder].values():
+                        writer.close()
         finally:
             self.bar.close()
             if pool is not None:
                 pool.terminate()
 
-    def manifest_extra(self) -> dict:
-        return {"tool": f"data_prep {__version__}", "languages": sorted({s.lang for s in self.sources}),
+    def languages(self, folder: str) -> list[str]:
+        return sorted(lang for lang, f in self.folders.items() if f == folder)
+
+    def manifest_extra(self, folder: str) -> dict:
+        """What both manifests of ``folder`` record besides their shards: its languages' sources and counts."""
+        langs = self.languages(folder)
+        return {"tool": f"data_prep {__version__}", "languages": langs,
                 "shuffle": {"window_mb": self.args.shuffle_window_mb, "seed": self.args.seed},
-                "sources": [dataclasses.asdict(s) for s in self.sources], "skipped": dict(self.skipped)}
+                "sources": [dataclasses.asdict(s) for s in self.sources if s.lang in langs],
+                "skipped": {reason: sum(self.counts[lang].skipped[reason] for lang in langs)
+                            for reason in SKIP_REASONS},
+                "counts": {lang: dataclasses.asdict(self.counts[lang]) for lang in langs}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="DUMP",
-                   help="MediaWiki XML dump(s): .xml or .bz2 (multistream ok)")
+                   help="MediaWiki XML dump(s): .xml or .bz2 (multistream ok), of one or more languages; or a folder "
+                        "or s3://, file://, ... prefix: every *.xml, *.xml.bz2, *.xml-p…bz2 dump under it")
     p.add_argument("--index", nargs="+", metavar="INDEX",
-                   help="multistream index (*-multistream-index*.txt.bz2), one per --input in the same order: "
+                   help="multistream index (*-multistream-index*.txt.bz2), one per --input dump in the same order: "
                         "the dumps are then read in parallel by bz2 block too; output is identical")
     p.add_argument("--out", required=True, metavar="URL", help="output folder: s3://bucket/prefix, file:///abs or a path")
+    p.add_argument("--layout", choices=("auto", "per-language", "flat"), default="auto",
+                   help="per-language: OUT/<lang>/sentences and OUT/<lang>/documents; flat: OUT/sentences and "
+                        "OUT/documents holding every language; auto (default): per-language when the inputs hold "
+                        "more than one language, else flat")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
     p.add_argument("--workers", type=cli.positive(int), default=1, metavar="N",
                    help="processes parsing wikitext; output is identical for any N (default: 1)")
     p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
-                   help="word budget of a passage in the documents stream (default: 200)")
+                   help="word budget of a passage in the documents stream; a Chinese or Japanese character "
+                        "counts as a word (default: 200)")
     p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=256.0, metavar="N",
-                   help="write the samples of each N MiB of output (as tar bytes) in a seeded shuffled order, so "
-                        "that shards mix the sentences of many articles (0: article order; default: 256)")
+                   help="write the samples of each N MiB of a stream's output (as tar bytes) in a seeded shuffled "
+                        "order, so that shards mix the sentences of many articles (0: article order; default: 256)")
     p.add_argument("--seed", type=int, default=0, help="seed of that shuffle (default: 0)")
     p.add_argument("--allow-truncated", action="store_true",
                    help="exit 0 (with a warning) when an input is truncated or corrupt; its good pages are kept")
+
+
+def find_dumps(inputs: list[str]) -> list[str]:
+    """The dump files of ``--input``: a file as given; a folder or object-store prefix → every dump under it,
+    by name (``DUMP_NAME``). Raises ``DumpError`` for a folder or prefix without any."""
+    dumps = []
+    for entry in inputs:
+        if storage.is_local(entry):
+            path = storage.parse(entry).path
+            if not os.path.isdir(path):  # a file, or a missing one: DumpReader reports it by the name given
+                dumps.append(entry if "://" not in entry else path)
+                continue
+        elif storage.exists(entry):  # an object, not a prefix
+            dumps.append(entry)
+            continue
+        found = [url for url, _ in storage.list_sizes(entry) if DUMP_NAME.search(url)]
+        if not found:
+            raise DumpError(f"{entry}: no MediaWiki dump (*.xml, *.xml.bz2, *.xml-p…bz2) in this folder or "
+                            "under this prefix")
+        dumps.extend(storage.parse(url).path if storage.is_local(url) else url for url in found)
+    return dumps
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``wiki``; returns the exit code (0 ok, 2 unusable input, index or storage, 3 truncated or corrupt input)."""
     start = time.time()
     try:
-        indexes = args.index or [None] * len(args.input)
-        if len(indexes) != len(args.input):
-            return cli.fail("wiki", f"--index: {len(indexes)} index files for {len(args.input)} --input dumps; "
-                                    "give one per dump, in the same order")
         storage.check_bucket(args.out)
-        readers = [DumpReader(path) for path in args.input]
+        try:
+            inputs = find_dumps(args.input)
+        except DumpError as err:
+            return cli.fail("wiki", str(err))
+        indexes = args.index or [None] * len(inputs)
+        if len(indexes) != len(inputs):
+            return cli.fail("wiki", f"--index: {len(indexes)} index files for {len(inputs)} --input dumps; give "
+                                    "one per dump, in the same order (a folder's dumps come in name order)")
+        readers = [DumpReader(path) for path in inputs]
         for reader, index in zip(readers, indexes):  # validate every input before anything is written
             try:
                 reader.read_siteinfo()
+                if index is not None and "://" in reader.path:
+                    raise DumpError("--index reads a dump by byte offset: download it first")
                 if index is not None:
                     check_index(index, reader.path)
             except DumpError as err:
                 return cli.fail("wiki", f"{reader.path}: {err}")
+            if reader.lang is None and reader.head_fault is not None:
+                fault = reader.head_fault
+                return cli.fail("wiki", f"{reader.path}: {fault.message} (reading stopped at byte "
+                                        f"{fault.byte_offset}) before its <siteinfo> ended: neither its pages nor "
+                                        "its language can be read", 3)
+            if reader.lang is None:
+                return cli.fail("wiki", f"{reader.path}: cannot tell the dump's language: its <siteinfo> has no "
+                                        "Wikimedia <dbname> (dewiki) or <base> (https://de.wikipedia.org/...) and its "
+                                        "file name does not start with a dbname (name it like "
+                                        "dewiki-latest-pages-articles.xml.bz2)")
+        langs = list(dict.fromkeys(reader.lang for reader in readers))
+        per_language = args.layout == "per-language" or (args.layout == "auto" and len(langs) > 1)
+        folders = {lang: storage.join(args.out, lang) if per_language else args.out for lang in langs}
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
-            job = WikiJob(args, tmp)
+            job = WikiJob(args, tmp, folders)
             job.run(readers, indexes)
             faulty = [s for s in job.sources if s.status != "complete"]
             level = "warning" if args.allow_truncated else "error"
-            for s, path in zip(job.sources, args.input):
+            for s, path in zip(job.sources, inputs):
                 if s.status == "truncated":
                     print(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte {s.byte_offset}); "
                           f"kept the {s.pages_read} complete pages before it", file=sys.stderr)
@@ -326,28 +429,51 @@ def main(args: argparse.Namespace) -> int:
                     print(f"data_prep wiki: {level}: {path}: {s.error} in the bz2 block at byte {s.byte_offset} "
                           f"(the first unreadable one); lost {s.pages_lost} pages, kept the {s.pages_read} pages "
                           "of the other blocks", file=sys.stderr)
-            if job.streams["sentences"].samples == 0:
-                return cli.fail("wiki", f"{', '.join(args.input)}: no article text found (articles: "
-                             f"{sum(s.articles for s in job.sources)}); nothing written", 3 if faulty else 2)
-            for writer in job.streams.values():
-                writer.close()
-            # Manifests last, once every shard of both streams is uploaded.
-            urls = {name: writer.write_manifest(job.manifest_extra()) for name, writer in job.streams.items()}
+            # A folder without text gets no manifest (so it cannot be trained on by mistake); the other
+            # languages of the run are written all the same.
+            empty = [folder for folder, writers in job.writers.items() if writers["sentences"].samples == 0]
+            for folder in empty:
+                langs = job.languages(folder)
+                files = [path for path, s in zip(inputs, job.sources) if s.lang in langs]
+                cli.fail("wiki", f"{', '.join(files)}: no article text found (articles: "
+                                 f"{sum(job.counts[lang].articles for lang in langs)}); nothing written")
+            # Manifests last, once every shard of every stream is uploaded.
+            urls = {(folder, name): writer.write_manifest(job.manifest_extra(folder))
+                    for folder, writers in job.writers.items() if folder not in empty
+                    for name, writer in writers.items()}
     except (StorageError, BadIndex) as err:  # a BadIndex found while reading: no manifest is written
         return cli.fail("wiki", str(err))
     except OSError as err:  # shards are built in a local temporary folder before they are uploaded
         return cli.fail("wiki", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
                                 f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")
     _summary(job, urls, time.time() - start)
+    if empty:
+        return 3 if faulty else 2
     return 3 if faulty and not args.allow_truncated else 0
 
 
-def _summary(job: WikiJob, urls: dict[str, str], seconds: float) -> None:
+def _summary(job: WikiJob, urls: dict[tuple[str, str], str], seconds: float) -> None:
     pages = sum(s.pages_read for s in job.sources)
     print(f"pages read: {pages}, articles: {sum(s.articles for s in job.sources)} "
           f"in {seconds:.1f}s ({pages / max(seconds, 1e-9):.0f} pages/s)")
-    for name, writer in job.streams.items():
-        label = "sentences" if name == "sentences" else "passages"
-        print(f"{label}: {writer.samples} in {len(writer.shards)} shards "
-              f"({writer.uploaded} uploaded, {writer.unchanged} unchanged: upload skipped) -> {urls[name]}")
-    print("skipped: " + ", ".join(f"{k}={v}" for k, v in job.skipped.items()))
+    for (folder, name), url in urls.items():
+        writer = job.writers[folder][name]
+        print(f"{'sentences' if name == 'sentences' else 'passages'}: {writer.samples} in {len(writer.shards)} "
+              f"shards ({writer.uploaded} uploaded, {writer.unchanged} unchanged: upload skipped) -> {url}")
+    print(summary_table(job.counts))
+
+
+def summary_table(counts: dict[str, Counts]) -> str:
+    """One row per language and a total: files, pages, articles, sentences, passages, MB read, then the
+    skipped pages (redirect … empty) and sentences (too_short, too_long, markup) by reason."""
+    header = ["lang", "files", "pages", "articles", "sentences", "passages", "MB read", *SKIP_REASONS]
+    rows = [[c.files, c.pages, c.articles, c.sentences, c.passages, c.bytes_read, *c.skipped.values()]
+            for c in counts.values()]
+    table = [[lang, *row] for lang, row in zip(counts, rows)] + [["total", *map(sum, zip(*rows))]]
+    for row in table:
+        row[6] = f"{row[6] / 1e6:.1f}"  # bytes → MB
+    lines = [header, *([str(v) for v in row] for row in table)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    # Language codes left-aligned, numbers right-aligned.
+    return "\n".join("  ".join([line[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(line[1:], widths[1:])])
+                     for line in lines)

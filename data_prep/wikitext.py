@@ -2,7 +2,7 @@
 
 Templates, refs, tables, files/images, categories, interlanguage links, comments and non-prose tags
 are dropped; formatting tags keep their inner text, links keep their label; tail sections
-(References, External links, … and their de/fr/es names) are dropped with their sub-sections.
+(References, External links, … and their de/fr/es/zh/ja/ar/he names) are dropped with their sub-sections.
 
 Building the tree is most of the cost, so ``prerender`` first cuts the constructs dropped anyway
 (templates and arguments, tables, file and category links, non-prose extension tags) out of the text
@@ -27,6 +27,10 @@ TAIL_SECTIONS = frozenset({
     "einzelnachweise", "weblinks", "siehe auch", "literatur", "anmerkungen", "quellen",  # de
     "références", "liens externes", "voir aussi", "notes et références", "bibliographie",  # fr
     "referencias", "enlaces externos", "véase también", "bibliografía", "notas",  # es
+    "参考文献", "参考资料", "參考資料", "外部链接", "外部連結", "参见", "參見", "注释", "註釋", "脚注",  # zh
+    "出典", "関連項目", "外部リンク", "注釈",  # ja
+    "المراجع", "مراجع", "وصلات خارجية", "انظر أيضا", "انظر أيضًا", "ملاحظات",  # ar
+    "הערות שוליים", "קישורים חיצוניים", "ראו גם", "לקריאה נוספת",  # he
 })
 # Tags whose content is not prose: dropped with everything inside.
 _DROP_TAGS = frozenset({"ref", "references", "table", "gallery", "math", "chem", "ce", "score", "timeline",
