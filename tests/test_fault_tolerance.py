@@ -324,6 +324,21 @@ def test_s3_faults_and_a_crash_mid_checkpoint_leave_no_trace(baseline, s3_storag
     assert not any(secret.encode() in blob for blob in written), "the secret key leaked"
 
 
+def test_a_resume_drops_the_sample_keys_of_the_steps_it_redoes(tmp_path):
+    """Found by chaos seed 6 on ZeRO-2: a preemption asked for a checkpoint at step 5, rank 0 was killed while
+    it was written, the restart resumed from step 2 and checkpointed at 3 (another preemption), 4 and 6, so
+    step 5's key file, written before the crash, stayed and listed step 5's samples a second time."""
+    from clsys.engine.loop import _drop_sample_keys_after
+
+    keys = tmp_path / "run" / "sample_keys"
+    for rank, step in ((0, 2), (0, 4), (0, 5), (1, 2), (1, 5), (2, 3)):  # rank 2: a rank an elastic resume lost
+        (keys / f"rank-{rank:05d}").mkdir(parents=True, exist_ok=True)
+        (keys / f"rank-{rank:05d}" / f"step-{step:08d}.txt").write_text("key\n")
+    _drop_sample_keys_after(f"file://{tmp_path}/run", 2)
+    assert sorted(p.relative_to(keys).as_posix() for p in keys.rglob("*.txt")) == \
+        ["rank-00000/step-00000002.txt", "rank-00001/step-00000002.txt"]
+
+
 CHAOS_SEEDS = os.environ.get("CLSYS_CHAOS_SEEDS", "")
 
 

@@ -107,6 +107,17 @@ def _dev_set(cfg: Config):
     return dev
 
 
+def _drop_sample_keys_after(run: str, step: int) -> None:
+    """Delete every rank's sample-key files of steps after ``step``, the checkpoint resumed from (rank 0,
+    before the first step, so before any rank writes a new one). They were written by an attempt whose
+    later steps are now done again: with a checkpoint that never completed (a crash while it was written),
+    or at steps this attempt will not checkpoint (a preemption's), they would list samples twice."""
+    for url in storage.list_prefix(storage.join(run, "sample_keys")):
+        name = url.rpartition("/")[2]
+        if name.startswith("step-") and name.endswith(".txt") and int(name[5:-4]) > step:
+            storage.delete(url)
+
+
 def train_worker(payload: dict) -> None:
     cfg = config_from_dict(payload["config"])
     # Before the process group exists: DeepSpeed's backend keeps references to some collectives it finds then.
@@ -141,6 +152,8 @@ def train_worker(payload: dict) -> None:
         if rank == 0:
             elastic = f" (written by {saved_world} ranks, resharded for {world})" if saved_world != world else ""
             print(f"[clsys] resumed from {resume.url} at step {step}{elastic}", flush=True)
+            if cfg.train.log_sample_keys:
+                _drop_sample_keys_after(run, step)
 
     tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
     tb = TensorBoard(tb_dir)
@@ -172,8 +185,8 @@ def train_worker(payload: dict) -> None:
         """Checkpoint this step (written in the background with train.async_checkpoint); ``best_value``:
         this step's evaluation is the best so far, and its checkpoint becomes the best one once complete."""
         if cfg.train.log_sample_keys:
-            # Written with the checkpoint that covers them: after a restart the resumed steps rewrite
-            # the same files, so the folder always lists exactly the samples the weights have seen.
+            # Written with the checkpoint that covers them; on resume the files of later steps are dropped
+            # (_drop_sample_keys_after), so the folder always lists exactly the samples the weights have seen.
             keys_url = storage.join(run, "sample_keys", f"rank-{rank:05d}", f"step-{step:08d}.txt")
             storage.write_bytes(keys_url, "".join(f"{k}\n" for k in consumed).encode())
             consumed.clear()
