@@ -28,6 +28,7 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import shutil
@@ -95,6 +96,9 @@ def _s3_client(pid: int):
     from botocore.config import Config
 
     del pid
+    # botocore says at INFO where it found the endpoint and the credentials, once per client: in every
+    # Ray worker, whose INFO lines reach the driver's console. Warnings and errors still show.
+    logging.getLogger("botocore").setLevel(logging.WARNING)
     return boto3.client(
         "s3",
         config=Config(retries={"max_attempts": ATTEMPTS, "mode": "adaptive"}, connect_timeout=10, read_timeout=120),

@@ -109,7 +109,7 @@ CONSOLE_NOISE = ("Token authentication is enabled", "Started a local Ray instanc
                  "Attempting to start training worker group", "Started training worker group", "world_rank=",
                  "Setting up process group", "FutureWarning", "Processing zero checkpoint", "Parsing checkpoint",
                  "Detected checkpoint of type", "Reconstructed fp32 state dict", "Loading checkpoint shards",
-                 "Writing model shards", "LOAD REPORT")
+                 "Writing model shards", "LOAD REPORT", "Found endpoint for s3", "Found credentials in")
 
 
 def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
