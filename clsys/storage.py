@@ -6,19 +6,12 @@ that S3 specifics (endpoint, retries, multipart) live in one file. Credentials a
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
 nothing here logs them.
 
-Other schemes go through ``fsspec.filesystem(scheme)``, whose package (gcsfs, adlfs,
-huggingface_hub, …) finds its own credentials and reads fsspec's own configuration
-(``FSSPEC_<SCHEME>_<OPTION>`` variables, ``~/.config/fsspec``). A write is one put to the final
-name: atomic on object stores (gs://, az://, hf://), not on filesystems that write a file as it
-arrives (ftp://, sftp://), where a reader may see part of one. They have no compare-and-swap, so
-no run lease (``write_if``). Calls that fail with an OSError other than a missing file or a refused
-permission (a reset connection, a timeout) are retried ``ATTEMPTS`` times with backoff, a read or
-download as a whole; a stream from ``open_read`` relies on the filesystem's own retries.
+Other schemes go through fsspec (``clsys/fsspec_store.py``, which says how they differ).
 
 Faults: botocore retries every request (connection reset, 500, 503 SlowDown, a response body cut
 short) up to ``ATTEMPTS`` times with backoff, uploads and multipart parts included. What it cannot
 retry is a GetObject body that breaks while the caller streams it; ``open_read`` resumes those
-with ranged GETs (``_S3Reader``). Permanent errors (missing object or bucket, access denied, bad
+with ranged GETs (``S3Reader``). Permanent errors (missing object or bucket, access denied, bad
 credentials) are not retried and raise StorageError naming the URL.
 """
 from __future__ import annotations
@@ -26,23 +19,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
 import random
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from clsys import fsspec_store
+from clsys.s3_reader import S3Reader
 
 
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the URL and the cause."""
 
 
-ATTEMPTS = 8  # tries per request (botocore), per download part (s3transfer), per stalled read (_S3Reader)
+ATTEMPTS = 8  # tries per request (botocore), per download part (s3transfer), per stalled read (S3Reader)
 BACKOFF_S = 0.05  # longest wait before the first resume of a broken read; it doubles per failure in a row
 MULTIPART_BYTES = 64 * 2**20  # uploads this big go in parts of this size
 
@@ -72,7 +66,7 @@ def parse(url: str | os.PathLike) -> Location:
                            f"through the filesystem's configuration instead (FSSPEC_{scheme.upper()}_PASSWORD, "
                            f"docs/operations/storage.md)")
     if scheme != "s3":
-        _fsspec_class(url, scheme)  # an unknown scheme, or one whose package is missing, fails here
+        fsspec_store.check_scheme(url, scheme)  # an unknown scheme, or one whose package is missing, fails here
     return Location(scheme, bucket, key.strip("/"))
 
 
@@ -146,148 +140,9 @@ def _s3_call(url: str, fn, *args, **kwargs):
         raise _s3_error(url, err.last_exception) from None
 
 
-def _backoff(failures: int) -> float:
+def backoff_s(failures: int) -> float:
     """Exponential backoff with full jitter, so that readers that failed together spread out."""
     return random.uniform(0, BACKOFF_S * 2 ** (failures - 1))
-
-
-class _S3Reader(io.IOBase):
-    """An S3 object's body that survives a broken connection: it resumes where it stopped.
-
-    botocore retries a request until a response arrives, but a body that breaks while the caller
-    reads it (reset, read timeout, fewer bytes than Content-Length) is past its reach. Then we ask
-    for the rest with ``Range: bytes=<offset>-`` and ``If-Match: <ETag>`` (a replaced object is an
-    error, never a splice of two objects), after a backoff. ``ATTEMPTS`` failures in a row without
-    a byte of progress give up.
-    """
-
-    def __init__(self, url: str, loc: Location):
-        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
-        from urllib3.exceptions import ProtocolError
-
-        self.url, self.loc = url, loc
-        self.stream_errors = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ProtocolError, OSError)
-        resp = _s3_call(url, s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
-        self.body, self.etag, self.size = resp["Body"], resp["ETag"], resp["ContentLength"]
-        self.offset, self.failures = 0, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        """``size`` bytes (all that is left if negative), fewer only at the end of the object."""
-        parts, got = [], 0
-        while size is None or size < 0 or got < size:
-            want = 1 << 20 if size is None or size < 0 else min(size - got, 1 << 20)
-            try:
-                # Bounded reads, so that a failure loses at most the chunk being read. Reading on
-                # to b"" lets botocore check Content-Length (and the checksum, on a whole object).
-                chunk = self.body.read(want)
-            except self.stream_errors as err:
-                self._resume(err)
-                continue
-            if not chunk:
-                if self.offset >= self.size:
-                    break
-                self._resume(EOFError(f"body ended at byte {self.offset} of {self.size}"))
-                continue
-            parts.append(chunk)
-            got += len(chunk)
-            self.offset += len(chunk)
-            self.failures = 0
-        return b"".join(parts)
-
-    def _resume(self, err: Exception) -> None:
-        self.failures += 1
-        if self.failures >= ATTEMPTS:
-            raise StorageError(f"{self.url}: reading failed {ATTEMPTS} times in a row at byte {self.offset} of "
-                               f"{self.size}; last error: {type(err).__name__}: {err}") from None
-        time.sleep(_backoff(self.failures))
-        self.body.close()
-        resp = _s3_call(self.url, s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
-                        Range=f"bytes={self.offset}-", IfMatch=self.etag)
-        # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
-        if not resp.get("ContentRange", "").startswith(f"bytes {self.offset}-"):
-            raise StorageError(f"{self.url}: the server ignored a ranged GET from byte {self.offset}")
-        self.body = resp["Body"]
-
-    def close(self) -> None:
-        if not self.closed:
-            self.body.close()
-        super().close()
-
-
-def _fsspec_class(url: str, scheme: str):
-    from fsspec.registry import get_filesystem_class, known_implementations
-
-    try:
-        return get_filesystem_class(scheme)
-    except ValueError:
-        raise StorageError(f"{url}: unsupported URL scheme {scheme}:// (use s3://, file://, a local path, or a "
-                           f"scheme fsspec knows, such as gs://, az:// or hf://)") from None
-    except ImportError as err:
-        package = known_implementations[scheme]["class"].partition(".")[0]
-        # fsspec's own implementations (sftp://, http://, …) need a package its message names.
-        need = str(err) if package == "fsspec" else f"pip install {package}"
-        raise StorageError(f"{url}: the {scheme}:// scheme needs a package that is not installed ({need}): "
-                           f"{err.__cause__ or err}") from None
-
-
-@functools.lru_cache(maxsize=None)
-def _fsspec_fs(pid: int, scheme: str, bucket: str):
-    # One filesystem per process and bucket or host (an ftp:// URL's host carries its options), like
-    # the S3 client: the pid, because async filesystems hold an event loop that a fork does not carry.
-    # Listings are read fresh, never from fsspec's cache: other processes write the same store (Ray
-    # workers, data_prep), and a stale listing would hide a checkpoint or a shard.
-    import fsspec.core
-
-    del pid
-    return fsspec.core.url_to_fs(f"{scheme}://{bucket}/", use_listings_cache=False)[0]
-
-
-def _fsspec(loc: Location):
-    """The fsspec filesystem of ``loc`` and the path that names it there."""
-    fs = _fsspec_fs(os.getpid(), loc.scheme, loc.bucket)
-    return fs, fs._strip_protocol(str(loc))
-
-
-# Failures that another try cannot mend; other OSErrors (ConnectionError, TimeoutError, …) are retried.
-_PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_RAISE = object()
-
-
-def _fsspec_call(url: str, fn, *args, missing=_RAISE, **kwargs):
-    """``fn(*args, **kwargs)``, a call on an fsspec filesystem, tried up to ``ATTEMPTS`` times. A missing
-    object returns ``missing`` when given; every failure raises StorageError naming ``url``."""
-    for failures in range(1, ATTEMPTS + 1):
-        try:
-            return fn(*args, **kwargs)
-        except FileNotFoundError:
-            if missing is _RAISE:
-                raise StorageError(f"{url}: no such object") from None
-            return missing
-        except OSError as err:
-            if isinstance(err, _PERMANENT) or failures == ATTEMPTS:
-                raise StorageError(f"{url}: {type(err).__name__}: {err}") from None
-            time.sleep(_backoff(failures))
-        except Exception as err:  # the filesystem's own errors (an HTTP 403, a bad token, …)
-            raise StorageError(f"{url}: {type(err).__name__}: {err}") from None
-
-
-def _fsspec_write(url: str, write) -> None:
-    """``write(fs, path)`` puts the whole object at its final name."""
-    fs, path = _fsspec(parse(url))
-    # Filesystems rooted at "/" (ftp, sftp) have real folders, which must exist before a file goes in;
-    # object stores have none, and making one there could create a bucket.
-    if fs.root_marker == "/":
-        _fsspec_call(url, fs.makedirs, fs._parent(path), exist_ok=True)
-    _fsspec_call(url, write, fs, path)
-
-
-def _no_compare_and_swap(url: str) -> StorageError:
-    return StorageError(f"{url}: {parse(url).scheme}:// has no compare-and-swap write, which the run lease needs "
-                        f"(clsys has it on s3:// and on local or shared folders); set cluster.lease_ttl_s=0 to "
-                        f"run without a lease, and start only one driver on the run")
 
 
 def open_read(url: str) -> BinaryIO:
@@ -296,10 +151,10 @@ def open_read(url: str) -> BinaryIO:
     filesystem's own file object (opening is retried, reading only as the filesystem does)."""
     loc = parse(url)
     if loc.scheme == "s3":
-        return _S3Reader(url, loc)
+        return S3Reader(url, loc)
     if loc.scheme != "file":
-        fs, path = _fsspec(loc)
-        return _fsspec_call(url, fs.open, path, "rb")
+        fs, path = fsspec_store.filesystem(loc)
+        return fsspec_store.call(url, fs.open, path, "rb")
     try:
         return open(loc.path, "rb")
     except OSError as err:
@@ -309,8 +164,8 @@ def open_read(url: str) -> BinaryIO:
 def read_bytes(url: str) -> bytes:
     loc = parse(url)
     if loc.scheme not in ("s3", "file"):  # one call, so that a retry reads the object again
-        fs, path = _fsspec(loc)
-        return _fsspec_call(url, fs.cat_file, path)
+        fs, path = fsspec_store.filesystem(loc)
+        return fsspec_store.call(url, fs.cat_file, path)
     with open_read(url) as f:
         return f.read()
 
@@ -357,8 +212,8 @@ def exists(url: str) -> bool:
     if loc.scheme == "file":
         return os.path.exists(loc.path)
     if loc.scheme != "s3":
-        fs, path = _fsspec(loc)
-        return _fsspec_call(url, fs.info, path, missing=None) is not None
+        fs, path = fsspec_store.filesystem(loc)
+        return fsspec_store.call(url, fs.info, path, missing=None) is not None
     return _s3_or_none(url, s3_client().head_object, _MISSING, Bucket=loc.bucket, Key=loc.path) is not None
 
 
@@ -368,7 +223,7 @@ def write_bytes(url: str, data: bytes) -> None:
     if loc.scheme == "s3":
         _s3_call(url, s3_client().put_object, Bucket=loc.bucket, Key=loc.path, Body=data)
     elif loc.scheme != "file":
-        _fsspec_write(url, lambda fs, path: fs.pipe_file(path, data))
+        fsspec_store.write(url, lambda fs, path: fs.pipe_file(path, data))
     else:
         write_file(url, lambda f: f.write(data))
 
@@ -414,8 +269,8 @@ def read_versioned(url: str) -> tuple[bytes, str] | None:
         resp = _s3_or_none(url, s3_client().get_object, _MISSING, Bucket=loc.bucket, Key=loc.path)
         return None if resp is None else (resp["Body"].read(), resp["ETag"])
     if loc.scheme != "file":
-        fs, path = _fsspec(loc)
-        data = _fsspec_call(url, fs.cat_file, path, missing=None)
+        fs, path = fsspec_store.filesystem(loc)
+        data = fsspec_store.call(url, fs.cat_file, path, missing=None)
         return None if data is None else (data, _content_etag(data))
     try:
         with open(loc.path, "rb") as f:
@@ -431,7 +286,7 @@ def write_if(url: str, data: bytes, version: str | None) -> str | None:
     (If-None-Match / If-Match); a file under an exclusive lock. Other schemes have none: StorageError."""
     loc = parse(url)
     if loc.scheme not in ("s3", "file"):
-        raise _no_compare_and_swap(url)
+        raise fsspec_store.no_compare_and_swap(url)
     if loc.scheme == "s3":
         condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
         resp = _s3_or_none(url, s3_client().put_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
@@ -449,7 +304,7 @@ def delete_if(url: str, version: str) -> bool:
     """Delete the object if it is still at ``version``; whether it was."""
     loc = parse(url)
     if loc.scheme not in ("s3", "file"):
-        raise _no_compare_and_swap(url)
+        raise fsspec_store.no_compare_and_swap(url)
     if loc.scheme == "s3":
         return _s3_or_none(url, s3_client().delete_object, _CONDITION_FAILED, Bucket=loc.bucket, Key=loc.path,
                            IfMatch=version) is not None
@@ -475,7 +330,7 @@ def upload_file(local_path: str, url: str) -> None:
         _s3_call(url, s3_client().upload_file, local_path, loc.bucket, loc.path, Config=cfg)
         return
     if loc.scheme != "file":
-        _fsspec_write(url, lambda fs, path: fs.put_file(local_path, path))
+        fsspec_store.write(url, lambda fs, path: fs.put_file(local_path, path))
         return
     with open(local_path, "rb") as source:
         write_file(url, lambda f: shutil.copyfileobj(source, f, 1 << 20))
@@ -495,8 +350,8 @@ def download_file(url: str, local_path: str) -> None:
             raise StorageError(f"{url}: downloading to {local_path} failed: {err.strerror or err}") from None
         return
     if loc.scheme != "file":
-        fs, path = _fsspec(loc)
-        _fsspec_call(url, fs.get_file, path, local_path)
+        fs, path = fsspec_store.filesystem(loc)
+        fsspec_store.call(url, fs.get_file, path, local_path)
         return
     try:
         shutil.copyfile(loc.path, local_path)
@@ -521,10 +376,10 @@ def list_sizes(url: str) -> Iterator[tuple[str, int]]:
                     yield f"file://{p}", p.stat().st_size
         return
     if loc.scheme != "s3":
-        fs, root = _fsspec(loc)
+        fs, root = fsspec_store.filesystem(loc)
         # Only what is under the folder, as for s3 and file: find() of a file's own name returns it.
         prefix = root.rstrip("/") + "/"
-        found = _fsspec_call(url, fs.find, root, detail=True, missing={})
+        found = fsspec_store.call(url, fs.find, root, detail=True, missing={})
         for path, info in sorted(found.items()):
             if info["type"] == "file" and path.startswith(prefix):
                 yield join(url, path[len(prefix):]), info["size"]
@@ -542,8 +397,8 @@ def delete(url: str) -> None:
     if loc.scheme == "s3":
         _s3_call(url, s3_client().delete_object, Bucket=loc.bucket, Key=loc.path)
     elif loc.scheme != "file":  # an object, or a folder and all under it, like rmtree; none is no error
-        fs, path = _fsspec(loc)
-        _fsspec_call(url, fs.rm, path, recursive=True, missing=None)
+        fs, path = fsspec_store.filesystem(loc)
+        fsspec_store.call(url, fs.rm, path, recursive=True, missing=None)
     elif os.path.isdir(loc.path):
         shutil.rmtree(loc.path)
     elif os.path.exists(loc.path):
@@ -575,8 +430,8 @@ def check_bucket(url: str) -> None:
     if loc.scheme == "file":
         return
     if loc.scheme != "s3":
-        fs, path = _fsspec(loc)
-        _fsspec_call(url, fs.info, path, missing=None)
+        fs, path = fsspec_store.filesystem(loc)
+        fsspec_store.call(url, fs.info, path, missing=None)
         return
     from botocore.exceptions import BotoCoreError, ClientError
 

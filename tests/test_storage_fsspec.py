@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clsys import storage
+from clsys import fsspec_store, storage
 from clsys.data.shard_reader import ShardError, load_shards, read_shard
 from clsys.lease import Lease
 from clsys.storage import StorageError
@@ -154,7 +154,7 @@ def test_missing_objects_name_the_url(mem, tmp_path):
 
 
 def test_download_dir_refuses_names_that_leave_the_folder(mem, tmp_path):
-    fs, root = storage._fsspec(storage.parse(mem))
+    fs, root = fsspec_store.filesystem(storage.parse(mem))
     fs.pipe_file(f"{root}/ok.txt", b"fine")
     fs.pipe_file(f"{root}/../../evil.txt", b"escaped")  # a name an object store holds as it is
     with pytest.raises(StorageError, match="leaves the folder it is downloaded into"):
@@ -178,7 +178,7 @@ def test_unknown_scheme_and_missing_package(monkeypatch):
 def test_transient_errors_are_retried_and_permanent_ones_are_not(mem, monkeypatch):
     url = storage.join(mem, "flaky")
     storage.write_bytes(url, b"data")
-    fs, _ = storage._fsspec(storage.parse(url))
+    fs, _ = fsspec_store.filesystem(storage.parse(url))
     monkeypatch.setattr(storage, "BACKOFF_S", 0.001)
     calls = []
 

@@ -1,0 +1,77 @@
+"""A stream over one S3 object that survives broken connections (``clsys.storage.open_read``).
+
+botocore retries requests, not a GetObject body that breaks while it is read: this reader resumes it
+with a ranged GET from the byte where it stopped.
+"""
+from __future__ import annotations
+
+import io
+import time
+
+from clsys import storage
+
+
+class S3Reader(io.IOBase):
+    """An S3 object's body that survives a broken connection: it resumes where it stopped.
+
+    botocore retries a request until a response arrives, but a body that breaks while the caller
+    reads it (reset, read timeout, fewer bytes than Content-Length) is past its reach. Then we ask
+    for the rest with ``Range: bytes=<offset>-`` and ``If-Match: <ETag>`` (a replaced object is an
+    error, never a splice of two objects), after a backoff. ``storage.ATTEMPTS`` failures in a row without
+    a byte of progress give up.
+    """
+
+    def __init__(self, url: str, loc: storage.Location):
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+        from urllib3.exceptions import ProtocolError
+
+        self.url, self.loc = url, loc
+        self.stream_errors = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ProtocolError, OSError)
+        resp = storage._s3_call(url, storage.s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
+        self.body, self.etag, self.size = resp["Body"], resp["ETag"], resp["ContentLength"]
+        self.offset, self.failures = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        """``size`` bytes (all that is left if negative), fewer only at the end of the object."""
+        parts, got = [], 0
+        while size is None or size < 0 or got < size:
+            want = 1 << 20 if size is None or size < 0 else min(size - got, 1 << 20)
+            try:
+                # Bounded reads, so that a failure loses at most the chunk being read. Reading on
+                # to b"" lets botocore check Content-Length (and the checksum, on a whole object).
+                chunk = self.body.read(want)
+            except self.stream_errors as err:
+                self._resume(err)
+                continue
+            if not chunk:
+                if self.offset >= self.size:
+                    break
+                self._resume(EOFError(f"body ended at byte {self.offset} of {self.size}"))
+                continue
+            parts.append(chunk)
+            got += len(chunk)
+            self.offset += len(chunk)
+            self.failures = 0
+        return b"".join(parts)
+
+    def _resume(self, err: Exception) -> None:
+        self.failures += 1
+        if self.failures >= storage.ATTEMPTS:
+            raise storage.StorageError(f"{self.url}: reading failed {storage.ATTEMPTS} times in a row at byte {self.offset} of "
+                               f"{self.size}; last error: {type(err).__name__}: {err}") from None
+        time.sleep(storage.backoff_s(self.failures))
+        self.body.close()
+        resp = storage._s3_call(self.url, storage.s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
+                        Range=f"bytes={self.offset}-", IfMatch=self.etag)
+        # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
+        if not resp.get("ContentRange", "").startswith(f"bytes {self.offset}-"):
+            raise storage.StorageError(f"{self.url}: the server ignored a ranged GET from byte {self.offset}")
+        self.body = resp["Body"]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.body.close()
+        super().close()
