@@ -33,12 +33,24 @@ the same splitter (sentencex; data_prep also drops sentences under 3 words or 15
 Prints a table, the residue line (target: data_prep's share at most WikiExtractor's), then ``ratio``
 lines (targets: data_prep ≥ 1× WikiExtractor per CPU-second, big/small peak memory ≈ 1). Not part of
 the test suite.
+
+Then (alone with ``--ray-only``) ``--ray``: the same pages as a Wikimedia multistream dump with its index
+(100 pages a bz2 stream, cached too), read with ``--index`` by one process and by ``--ray`` on a local
+Ray cluster of 2 CPUs on 127.0.0.1 started beforehand by this script (as a cluster is there before `ray
+job submit`; the run joins it through RAY_ADDRESS, so worker start-up is timed, the cluster's not), and
+by ``--ray`` on the --small-mb dump. The cluster's workers run at nice 0 like the one-process run (Ray's
+default is 15). The Ray rows give the driver's CPU (its tree) and the workers' (sampled with psutil),
+and the largest peak RSS of a worker, i.e. of a task; both runs' manifests must be identical. Ratio
+lines: ``ray_2cpu_over_1proc`` (wall time; target ≥ 1.8) and ``ray_task_peak_rss_big_over_small``
+(target ≈ 1).
 """
 from __future__ import annotations
 
 import argparse
 import bz2
+import contextlib
 import functools
+import html
 import importlib.metadata
 import itertools
 import json
@@ -52,6 +64,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import psutil  # installed with deepspeed
 from sentencex import segment
@@ -75,41 +88,75 @@ def sample_parts() -> tuple[bytes, list[bytes], bytes]:
     return xml[:head_end], pages, xml[tail_start:]
 
 
-def build_dump(path: Path, target_bytes: int) -> dict:
-    """Write the repeated-sample dump to ``path`` (bz2); returns its XML size, pages and articles."""
+def repeated_pages(target_bytes: int, meta: dict) -> Iterator[bytes]:
+    """The sample's pages over and over with fresh page and revision ids, until ``meta["xml_bytes"]`` (the
+    header and footer counted) reaches ``target_bytes``; ``meta`` also counts pages and articles."""
     header, pages, footer = sample_parts()
     # What both tools call an article: namespace 0 and not a redirect.
     is_article = [b"<ns>0</ns>" in p and b"<redirect" not in p for p in pages]
-
     page_ids, revision_ids = itertools.count(1), itertools.count(1)
-    xml_bytes, n_pages, n_articles = len(header) + len(footer), 0, 0
+    meta.update(xml_bytes=len(header) + len(footer), pages=0, articles=0)
+    for page, article in itertools.cycle(zip(pages, is_article)):
+        if meta["xml_bytes"] >= target_bytes:
+            return
+        # The page's own <id> comes first; its revision's <id> is the first one after <revision>
+        # (a contributor's <id> follows it). data_prep skips a repeated page id as a duplicate.
+        head, revision = page.split(b"<revision>", 1)
+        page = (ID.sub(b"<id>%d</id>" % next(page_ids), head, count=1) + b"<revision>"
+                + ID.sub(b"<id>%d</id>" % next(revision_ids), revision, count=1))
+        meta["xml_bytes"] += len(page)
+        meta["pages"] += 1
+        meta["articles"] += article
+        yield page
+
+
+def build_dump(path: Path, target_bytes: int) -> dict:
+    """Write the repeated-sample dump to ``path`` (bz2); returns its XML size, pages and articles."""
+    header, _, footer = sample_parts()
+    meta: dict = {}
     tmp = path.with_suffix(".partial")
     with bz2.open(tmp, "wb") as out:
         out.write(header)
-        for page, article in itertools.cycle(zip(pages, is_article)):
-            if xml_bytes >= target_bytes:
-                break
-            # The page's own <id> comes first; its revision's <id> is the first one after <revision>
-            # (a contributor's <id> follows it). data_prep skips a repeated page id as a duplicate.
-            head, revision = page.split(b"<revision>", 1)
-            page = (ID.sub(b"<id>%d</id>" % next(page_ids), head, count=1) + b"<revision>"
-                    + ID.sub(b"<id>%d</id>" % next(revision_ids), revision, count=1))
+        for page in repeated_pages(target_bytes, meta):
             out.write(page)
-            xml_bytes += len(page)
-            n_pages += 1
-            n_articles += article
         out.write(footer)
     tmp.rename(path)
-    return {"xml_bytes": xml_bytes, "pages": n_pages, "articles": n_articles}
+    return meta
 
 
-def dump(work: Path, mb: float) -> tuple[Path, dict]:
-    """The cached dump of at least ``mb`` MB of XML, built first if missing."""
-    path = work / f"enwiki-repeated-{mb:g}MB.xml.bz2"
+def build_multistream(path: Path, target_bytes: int) -> dict:
+    """The same pages as a Wikimedia multistream dump (a header stream, streams of 100 pages, a closing
+    stream) with its index beside it (``multistream_index``); returns what ``build_dump`` does."""
+    header, _, footer = sample_parts()
+    meta: dict = {}
+    tmp, index = path.with_suffix(".partial"), []
+    with open(tmp, "wb") as out:
+        out.write(bz2.compress(header))
+        pages = repeated_pages(target_bytes, meta)
+        while block := list(itertools.islice(pages, 100)):
+            offset = out.tell()
+            for page in block:
+                page_id = int(re.search(rb"<id>(\d+)</id>", page).group(1))
+                title = html.unescape(re.search(rb"<title>(.*?)</title>", page).group(1).decode())
+                index.append(f"{offset}:{page_id}:{title}\n")
+            out.write(bz2.compress(b"".join(block)))
+        out.write(bz2.compress(footer))
+    multistream_index(path).write_bytes(bz2.compress("".join(index).encode()))
+    tmp.rename(path)
+    return meta
+
+
+def multistream_index(path: Path) -> Path:
+    return path.with_name(path.name.replace(".xml.bz2", "-index.txt.bz2"))
+
+
+def dump(work: Path, mb: float, multistream: bool = False) -> tuple[Path, dict]:
+    """The cached dump of at least ``mb`` MB of XML (a multistream one with its index), built first if missing."""
+    path = work / f"enwiki-repeated-{mb:g}MB{'-multistream' if multistream else ''}.xml.bz2"
     meta_path = path.with_name(path.name + ".json")
     if not (path.exists() and meta_path.exists()):
         print(f"building {path} ({mb:g} MB of XML) ...", flush=True)
-        meta_path.write_text(json.dumps(build_dump(path, int(mb * MB))))
+        meta_path.write_text(json.dumps((build_multistream if multistream else build_dump)(path, int(mb * MB))))
     return path, json.loads(meta_path.read_text())
 
 
@@ -123,6 +170,8 @@ class Run:
     tree_pss_mb: float  # peak of the tree's sum, sampled
     procs: int  # most processes seen at once
     stdout: str
+    task_rss_mb: float = 0.0  # Ray runs: the largest peak RSS of a worker process (sampled), i.e. per task
+    task_cpu_s: float = 0.0  # Ray runs: user + system of the worker processes (sampled; the tree's CPU is the driver's)
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
@@ -141,19 +190,27 @@ def tree_memory(root: psutil.Process) -> tuple[int, int]:
     return total, count
 
 
-def measure(cmd: list[str], log: Path) -> Run:
-    """Run ``cmd`` from the repository root with stdout/stderr to ``log``.{out,err}; exit on failure."""
+def measure(cmd: list[str], log: Path, env: dict | None = None,
+            tasks: Callable[[], list[psutil.Process]] | None = None) -> Run:
+    """Run ``cmd`` from the repository root with stdout/stderr to ``log``.{out,err}; exit on failure. ``tasks``:
+    the processes outside the tree that work for it (a Ray cluster's workers), whose memory and CPU are sampled."""
     stop = threading.Event()
-    peak = {"pss": 0, "procs": 0}
+    peak = {"pss": 0, "procs": 0, "task_rss": 0}
+    task_cpu: dict[int, float] = {}  # pid → its CPU seconds when last seen
+    before = {task.pid: sum(task.cpu_times()[:2]) for task in tasks()} if tasks else {}  # idle workers' start
     with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
         root = psutil.Process(proc.pid)
 
         def poll() -> None:
             while not stop.wait(POLL_S):
                 pss, procs = tree_memory(root)
                 peak["pss"], peak["procs"] = max(peak["pss"], pss), max(peak["procs"], procs)
+                for task in tasks() if tasks else []:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        peak["task_rss"] = max(peak["task_rss"], task.memory_info().rss)
+                        task_cpu[task.pid] = sum(task.cpu_times()[:2]) - before.get(task.pid, 0.0)
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -168,7 +225,7 @@ def measure(cmd: list[str], log: Path) -> Run:
         sys.exit(f"data_prep_throughput: {' '.join(cmd)} exited {proc.returncode}:\n"
                  f"{log.with_suffix('.err').read_text()[-3000:]}")
     return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, peak["pss"] / 2**20,
-               peak["procs"], log.with_suffix(".out").read_text())
+               peak["procs"], log.with_suffix(".out").read_text(), peak["task_rss"] / 2**20, sum(task_cpu.values()))
 
 
 @dataclass
@@ -201,6 +258,82 @@ def run_data_prep(path: Path, workers: int, work: Path) -> tuple[Run, int, int, 
     shutil.rmtree(out)
     pages, articles = map(int, re.search(r"pages read: (\d+), articles: (\d+)", run.stdout).groups())
     return run, pages, articles, residue
+
+
+@contextlib.contextmanager
+def local_ray_cluster(cpus: int) -> Iterator[str]:
+    """A Ray cluster of ``cpus`` CPUs on 127.0.0.1, its processes children of this one (so that its workers can
+    be measured), as `ray start` would make it; yields its address. Started before the timed run, as a cluster
+    is there before `ray job submit`."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # else Ray binds the external address
+    # Ray runs its workers at nice 15: on a machine busy with other work they would get less CPU than the
+    # one-process run they are compared with (nice 0), which is not what is measured here.
+    os.environ["RAY_worker_niceness"] = "0"
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def ray_workers() -> list[psutil.Process]:
+    """The Ray worker processes among this process's descendants (their title is ``ray::…``)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::"):
+                found.append(proc)
+    return found
+
+
+def run_by_block(path: Path, work: Path, ray_address: str | None = None) -> tuple[Run, int, int, bytes]:
+    """(run, pages, articles, its two manifests) of ``data_prep wiki --index`` on a multistream dump: in one
+    process, or as Ray tasks on the cluster at ``ray_address`` (joined as `ray job submit` would)."""
+    out = work / f"data_prep-by-block-{'ray' if ray_address else '1proc'}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--index", str(multistream_index(path)),
+           "--out", str(out)]
+    if ray_address:
+        run = measure([*cmd, "--ray"], out, {**os.environ, "RAY_ADDRESS": ray_address}, ray_workers)
+    else:
+        run = measure(cmd, out)
+    manifests = b"".join((out / stream / "manifest.json").read_bytes() for stream in ("sentences", "documents"))
+    shutil.rmtree(out)
+    pages, articles = map(int, re.search(r"pages read: (\d+), articles: (\d+)", run.stdout).groups())
+    return run, pages, articles, manifests
+
+
+def ray_comparison(work: Path, mb: float, small_mb: float) -> None:
+    """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dump; and the Ray
+    workers' peak memory on a dump ``small_mb`` big, to show that it does not grow with the dump."""
+    big, meta = dump(work, mb, multistream=True)
+    small, small_meta = dump(work, small_mb, multistream=True)
+    load = os.getloadavg()[0]
+    one = run_by_block(big, work)
+    with local_ray_cluster(2) as address:
+        on_ray = run_by_block(big, work, address)
+        on_ray_small = run_by_block(small, work, address)
+    for label, (run, pages, articles, manifests), want in (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta)):
+        if (pages, articles) != (want["pages"], want["articles"]):
+            sys.exit(f"data_prep_throughput: {label}: {pages} pages, {articles} articles, expected {want['pages']}, "
+                     f"{want['articles']}")
+    if on_ray[3] != one[3]:
+        sys.exit("data_prep_throughput: the Ray run's manifests differ from the one-process run's")
+    xml_mb = meta["xml_bytes"] / MB
+    print(f"\nmultistream dump {big} (+ index): {xml_mb:.1f} MB XML, {meta['pages']} pages; {os.cpu_count()} CPU "
+          f"cores, load average {load:.1f} at start; manifests of both runs identical")
+    print(f"{'data_prep wiki --index':<29} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'driver CPU s':>12} "
+          f"{'tasks CPU s':>11} {'driver RSS MB':>13} {'task RSS MB':>11}")
+    for label, run in (("one process", one[0]), ("--ray, 2-CPU local cluster", on_ray[0])):
+        print(f"{label:<29} {run.wall_s:>7.1f} {meta['pages'] / run.wall_s:>8.1f} {xml_mb / run.wall_s:>6.2f} "
+              f"{run.cpu_s:>12.1f} {run.task_cpu_s:>11.1f} {run.max_rss_mb:>13.0f} {run.task_rss_mb:>11.0f}")
+    print(f"memory check: --ray on {small_meta['xml_bytes'] / MB:.1f} MB: largest Ray worker peak RSS "
+          f"{on_ray_small[0].task_rss_mb:.0f} MB; on {xml_mb:.1f} MB: {on_ray[0].task_rss_mb:.0f} MB")
+    print(f"ratio ray_2cpu_over_1proc {one[0].wall_s / on_ray[0].wall_s:.2f}")
+    print(f"ratio ray_task_peak_rss_big_over_small {on_ray[0].task_rss_mb / on_ray_small[0].task_rss_mb:.2f}")
 
 
 def run_wikiextractor(path: Path, processes: int, work: Path) -> tuple[Run, int, Residue]:
@@ -240,6 +373,7 @@ def main() -> None:
     parser.add_argument("--small-mb", type=float, help="XML size of the memory-check dump, MB (default: a quarter; "
                         "at least one pass over the sample, 6.1)")
     parser.add_argument("--work-dir", default="/tmp/dpbench", help="cached dumps, outputs and logs")
+    parser.add_argument("--ray-only", action="store_true", help="only the --ray comparison (no WikiExtractor)")
     args = parser.parse_args()
     small_mb = args.small_mb or args.dump_mb / 4
     # Peak memory follows the longest page read so far: a smaller dump must still hold every page.
@@ -247,14 +381,17 @@ def main() -> None:
     one_pass_mb = (len(header) + sum(map(len, sample_pages)) + len(footer)) / MB
     if min(small_mb, args.dump_mb) < one_pass_mb:
         parser.error(f"--dump-mb and --small-mb must be at least {one_pass_mb:.1f} (one pass over the sample)")
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.ray_only:
+        ray_comparison(work, args.dump_mb, small_mb)
+        return
     try:
         wikiextractor_version = importlib.metadata.version("wikiextractor")
     except importlib.metadata.PackageNotFoundError:
         sys.exit("data_prep_throughput: WikiExtractor is missing: pip install -e '.[bench]' "
                  "(or pip install wikiextractor)")
 
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
     big, big_meta = dump(work, args.dump_mb)
     small, small_meta = dump(work, small_mb)
     load = os.getloadavg()[0]
@@ -304,6 +441,7 @@ def main() -> None:
         print(f"ratio data_prep_over_wikiextractor_per_core_{n}proc {theirs[n][0].wall_s / ours[n][0].wall_s:.2f}")
         print(f"ratio data_prep_over_wikiextractor_per_cpu_s_{n}proc {theirs[n][0].cpu_s / ours[n][0].cpu_s:.2f}")
     print(f"ratio data_prep_peak_rss_big_over_small {ours[1][0].max_rss_mb / small_run.max_rss_mb:.2f}")
+    ray_comparison(work, args.dump_mb, small_mb)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,33 @@ class S3Reader(io.IOBase):
     reads it (reset, read timeout, fewer bytes than Content-Length) is past its reach. Then we ask
     for the rest with ``Range: bytes=<offset>-`` and ``If-Match: <ETag>`` (a replaced object is an
     error, never a splice of two objects), after a backoff. ``storage.ATTEMPTS`` failures in a row without
-    a byte of progress give up.
+    a byte of progress give up. A reader of part of the object (``start``, ``end``: a ranged GET) asks
+    only for that part, the first time and on every resume.
     """
 
-    def __init__(self, url: str, loc: storage.Location):
+    def __init__(self, url: str, loc: storage.Location, start: int = 0, end: int | None = None):
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
         from urllib3.exceptions import ProtocolError
 
         self.url, self.loc = url, loc
         self.stream_errors = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ProtocolError, OSError)
-        resp = storage._s3_call(url, storage.s3_client().get_object, Bucket=loc.bucket, Key=loc.path)
-        self.body, self.etag, self.size = resp["Body"], resp["ETag"], resp["ContentLength"]
-        self.offset, self.failures = 0, 0
+        self.end = end
+        resp = self._get(start, {"Range": self._range(start)} if start or end is not None else {})
+        # size: where this reader's bytes end (the object's end, or the range's)
+        self.body, self.etag, self.size = resp["Body"], resp["ETag"], start + resp["ContentLength"]
+        self.offset, self.failures = start, 0
+
+    def _range(self, start: int) -> str:
+        return f"bytes={start}-{'' if self.end is None else self.end - 1}"
+
+    def _get(self, start: int, condition: dict) -> dict:
+        resp = storage._s3_call(self.url, storage.s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
+                                **condition)
+        # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
+        if "Range" in condition and not resp.get("ContentRange", "").startswith(f"bytes {start}-"):
+            resp["Body"].close()
+            raise storage.StorageError(f"{self.url}: the server ignored a ranged GET from byte {start}")
+        return resp
 
     def readable(self) -> bool:
         return True
@@ -64,12 +79,7 @@ class S3Reader(io.IOBase):
                                f"{self.size}; last error: {type(err).__name__}: {err}") from None
         time.sleep(storage.backoff_s(self.failures))
         self.body.close()
-        resp = storage._s3_call(self.url, storage.s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
-                        Range=f"bytes={self.offset}-", IfMatch=self.etag)
-        # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
-        if not resp.get("ContentRange", "").startswith(f"bytes {self.offset}-"):
-            raise storage.StorageError(f"{self.url}: the server ignored a ranged GET from byte {self.offset}")
-        self.body = resp["Body"]
+        self.body = self._get(self.offset, {"Range": self._range(self.offset), "IfMatch": self.etag})["Body"]
 
     def close(self) -> None:
         if not self.closed:

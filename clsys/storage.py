@@ -145,18 +145,39 @@ def backoff_s(failures: int) -> float:
     return random.uniform(0, BACKOFF_S * 2 ** (failures - 1))
 
 
-def open_read(url: str) -> BinaryIO:
-    """A binary stream over the object; S3 objects are streamed, not downloaded first, and a
-    connection that breaks mid-object is resumed from where it stopped. Other schemes: the
-    filesystem's own file object (opening is retried, reading only as the filesystem does)."""
+def open_read(url: str, start: int = 0, end: int | None = None) -> BinaryIO:
+    """A binary stream over the object from byte ``start``; S3 objects are streamed, not downloaded
+    first, and a connection that breaks mid-object is resumed from where it stopped. ``end`` (exclusive)
+    bounds what an S3 ranged GET asks for, so that reading one part of a large object does not make
+    the server send more (the stream may still be closed before ``end``); other schemes may read past
+    it and ignore it. Other schemes: the filesystem's own file object (opening is retried, reading only
+    as the filesystem does)."""
     loc = parse(url)
     if loc.scheme == "s3":
-        return S3Reader(url, loc)
+        return S3Reader(url, loc, start, end)
     if loc.scheme != "file":
         fs, path = fsspec_store.filesystem(loc)
-        return fsspec_store.call(url, fs.open, path, "rb")
+        f = fsspec_store.call(url, fs.open, path, "rb")
+    else:
+        try:
+            f = open(loc.path, "rb")
+        except OSError as err:
+            raise StorageError(f"{url}: {err.strerror}") from None
+    if start:
+        f.seek(start)
+    return f
+
+
+def size(url: str) -> int:
+    """The object's size in bytes; StorageError when it is missing."""
+    loc = parse(url)
+    if loc.scheme == "s3":
+        return _s3_call(url, s3_client().head_object, Bucket=loc.bucket, Key=loc.path)["ContentLength"]
+    if loc.scheme != "file":
+        fs, path = fsspec_store.filesystem(loc)
+        return fsspec_store.call(url, fs.size, path)
     try:
-        return open(loc.path, "rb")
+        return os.path.getsize(loc.path)
     except OSError as err:
         raise StorageError(f"{url}: {err.strerror}") from None
 

@@ -6,12 +6,15 @@ consumed: that is the offset reported when a dump turns out to be truncated or c
 
 A Wikimedia *multistream* dump with its index is read by block instead: the index gives the byte
 offset of each bz2 stream of 100 pages (``index_blocks``, checked by ``check_index``), and
-``BlockReader`` decompresses and parses one such block with the same ``DumpReader`` code.
+``BlockReader`` decompresses and parses one such block with the same ``DumpReader`` code. Dumps and
+indexes may be local files or objects (``s3://``, ``gs://``, … through ``clsys.storage``): a block is
+then one ranged read, from its offset to the next listed one's, never a download of the whole dump.
 """
 from __future__ import annotations
 
 import bz2
 import collections
+import contextlib
 import os
 import re
 import xml.etree.ElementTree as ET
@@ -262,18 +265,22 @@ class Block:
     offset: int
     line: int  # the index line of its first page
     page_ids: list[int]
+    next_offset: int | None = None  # where the next listed stream starts; None for the last one
 
 
-def read_bz2_stream(path: str, offset: int) -> tuple[bytes, int]:
+def read_bz2_stream(path: str, offset: int, end: int | None = None) -> tuple[bytes, int]:
     """Decompress the one bz2 stream starting at byte ``offset``: (its data, the offset just past it).
+    ``end``: where it should end at the latest (reads from object storage ask for no more).
 
     A fault raises ``TruncatedDump`` at ``offset``: the whole stream is lost, so that is where the loss starts.
+    A storage error (after ``clsys.storage``'s retries) raises ``StorageError``: the stream may be readable later.
     """
     dec, parts, pos = bz2.BZ2Decompressor(), [], offset
-    with open(path, "rb") as f:
-        f.seek(offset)
+    with storage.open_read(path, offset, end) as f:
         while not dec.eof:
-            chunk = f.read(CHUNK_BYTES)
+            # Never past ``end``, local files included, so that a stream without its end-of-stream marker is
+            # reported alike wherever the dump is stored.
+            chunk = f.read(CHUNK_BYTES if end is None else min(CHUNK_BYTES, end - pos))
             if not chunk:
                 raise TruncatedDump("bz2 stream ends before its end-of-stream marker (truncated file)", offset)
             try:
@@ -288,14 +295,14 @@ class BlockReader(DumpReader):
     """The pages of one bz2 stream of a multistream dump: ``DumpReader``'s parsing inside a synthetic root
     (the stream holds bare ``<page>`` elements; the ``<siteinfo>`` is read once, from the dump's first stream)."""
 
-    def __init__(self, path: str, offset: int):
+    def __init__(self, path: str, block: Block):
         super().__init__(path)
-        self.offset = offset
+        self.block = block
         self.end: int | None = None  # offset just past the stream, once read
 
     def _raw_chunks(self) -> Iterator[bytes]:
-        self.bytes_read = self.offset  # a fault anywhere in the stream loses all of it
-        data, self.end = read_bz2_stream(self.path, self.offset)
+        self.bytes_read = self.block.offset  # a fault anywhere in the stream loses all of it
+        data, self.end = read_bz2_stream(self.path, self.block.offset, self.block.next_offset)
         yield b"<mediawiki>"
         yield data
         yield b"</mediawiki>"
@@ -309,22 +316,38 @@ def _index_entry(raw: bytes, index: str, line: int) -> tuple[int, int]:
     raise BadIndex(f"{index}:{line}: expected OFFSET:PAGE_ID:TITLE, got {raw[:80]!r}")
 
 
+def _index_lines(index: str) -> Iterator[bytes]:
+    """The lines of an index file (.txt or .txt.bz2; a local file or an object), streamed."""
+    try:
+        with storage.open_read(index, 0, 3) as f:
+            compressed = f.read(3) == b"BZh"
+        f = storage.open_read(index)
+    except StorageError as err:
+        raise BadIndex(f"{index}: cannot open: {str(err).removeprefix(f'{index}: ')}") from None
+    with f:
+        source = bz2.open(f) if compressed else f
+        rest = b""
+        while chunk := source.read(CHUNK_BYTES):
+            *lines, rest = (rest + chunk).split(b"\n")
+            yield from lines
+        if rest:
+            yield rest
+
+
 def index_blocks(index: str, dump: str) -> Iterator[Block]:
     """The blocks of a multistream index (.txt or .txt.bz2), in file order, streamed: enwiki's has ~24 M lines.
 
-    Checks every line's form, that offsets ascend, and that each offset is within ``dump`` and starts a bz2 stream.
+    Checks every line's form, that offsets ascend, and that each offset is within ``dump``; for a local dump, that
+    each starts a bz2 stream too. A dump in object storage is not read here (that would be one request per block):
+    an offset that does not start a stream is found when the blocks are read, each having to end where the next
+    listed one starts.
     """
-    size = os.path.getsize(dump)
-    try:
-        f = open(index, "rb")
-    except OSError as err:
-        raise BadIndex(f"{index}: cannot open: {err.strerror}") from None
-    with f, open(dump, "rb") as d:
-        compressed = f.read(3) == b"BZh"
-        f.seek(0)
+    size = storage.size(dump)
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(open(dump, "rb")) if "://" not in dump else None
         block, line = None, 0
         try:
-            for line, raw in enumerate(bz2.open(f) if compressed else f, 1):
+            for line, raw in enumerate(_index_lines(index), 1):
                 offset, page_id = _index_entry(raw, index, line)
                 if block is not None and offset == block.offset:
                     block.page_ids.append(page_id)
@@ -333,13 +356,15 @@ def index_blocks(index: str, dump: str) -> Iterator[Block]:
                     if offset < block.offset:
                         raise BadIndex(f"{index}:{line}: offset {offset} is below the previous line's {block.offset}; "
                                        "an index lists the streams in file order")
+                    block.next_offset = offset
                     yield block
                 if offset >= size:
                     raise BadIndex(f"{index}:{line}: offset {offset} is beyond the end of {dump} ({size} bytes)")
-                d.seek(offset)
-                if not _BZ2_STREAM_START.fullmatch(d.read(10)):
-                    raise BadIndex(f"{index}:{line}: offset {offset} is not the start of a bz2 stream in {dump}: "
-                                   "not this dump's index?")
+                if d is not None:
+                    d.seek(offset)
+                    if not _BZ2_STREAM_START.fullmatch(d.read(10)):
+                        raise BadIndex(f"{index}:{line}: offset {offset} is not the start of a bz2 stream in {dump}: "
+                                       "not this dump's index?")
                 block = Block(offset, line, [page_id])
         except (OSError, EOFError) as err:  # a corrupt .bz2 index
             raise BadIndex(f"{index}:{line + 1}: cannot read ({err})") from None
@@ -354,7 +379,7 @@ def check_index(index: str, dump: str) -> None:
     blocks = index_blocks(index, dump)
     first = next(blocks)
     collections.deque(blocks, maxlen=0)
-    with open(dump, "rb") as d:
+    with storage.open_read(dump, 0, 10) as d:
         if not _BZ2_STREAM_START.fullmatch(d.read(10)):
             raise BadIndex(f"{index}: a multistream index, but {dump} is not a bz2 file")
     try:

@@ -6,7 +6,8 @@ The command feeds the articles of each dump (read by ``dumps.DumpReader``) throu
 writers shuffle each ``--shuffle-window-mb`` of samples with ``--seed`` before writing them: batches
 then mix many articles (in-batch negatives from one article are often false negatives).
 A Wikimedia *multistream* dump with its index (``--index``) is read in parallel too: pool workers
-each decompress, parse and process one bz2 block (``dumps.BlockReader``).
+each decompress, parse and process one bz2 block (``dumps.BlockReader``). With ``--ray`` the same work
+runs as Ray tasks over a cluster's CPUs (``ray_pool.RayPool``), the driver still writing in input order.
 
 Each dump's language comes from its ``<siteinfo>`` or its Wikimedia file name (``DumpReader.lang``).
 Dumps of several languages give ``OUT/<lang>/sentences`` and ``OUT/<lang>/documents`` (``--layout``); one
@@ -35,6 +36,7 @@ from clsys.storage import StorageError
 from data_prep import __version__, cli
 from data_prep.dumps import (BadIndex, Block, BlockReader, DumpError, DumpReader, TruncatedDump, check_index,
                              index_blocks, read_bz2_stream, skip_reason)
+from data_prep.ray_pool import RayPool
 from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
 from data_prep.shards import ShardWriter, previous_shas
 from data_prep.wikitext import WikitextCleaner
@@ -96,6 +98,11 @@ class PageResult:
     stats: SplitStats
 
 
+# A task without an index carries the pages the driver read: up to this much wikitext (or one longer page),
+# so that a task's memory does not depend on the dump and the task overhead is paid per batch, not per page.
+BATCH_CHARS = 1 << 20
+
+
 @functools.lru_cache(maxsize=16)
 def _cleaner(media: frozenset[str], category: frozenset[str]) -> WikitextCleaner:
     return WikitextCleaner(media, category)
@@ -110,6 +117,23 @@ def process_page(task: PageTask) -> PageResult:
         if sentences:
             sections.append((section.heading, sentences, pack_passages(sentences, task.passage_words)))
     return PageResult(task.lang, task.page_id, task.title, sections, stats)
+
+
+def process_pages(batch: list[PageTask]) -> list[PageResult]:
+    return [process_page(task) for task in batch]
+
+
+def batches(tasks: Iterator[PageTask]) -> Iterator[list[PageTask]]:
+    """Consecutive pages in batches of up to ``BATCH_CHARS`` of wikitext."""
+    batch, chars = [], 0
+    for task in tasks:
+        if batch and chars + len(task.text) > BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+        batch.append(task)
+        chars += len(task.text)
+    if batch:
+        yield batch
 
 
 @dataclass
@@ -134,7 +158,7 @@ class BlockResult:
 def process_block(task: BlockTask) -> BlockResult:
     """Read one bz2 stream of a multistream dump and process its articles. Runs in the worker processes."""
     block = task.block
-    reader = BlockReader(task.dump, block.offset)
+    reader = BlockReader(task.dump, block)
     try:
         pages = list(reader.pages())
     except TruncatedDump as err:
@@ -196,7 +220,7 @@ class WikiJob:
         self.counts = {lang: Counts() for lang in folders}
         self.sources: list[SourceReport] = []
         self.seen: set[tuple[str, int]] = set()
-        self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        self.dumps_done, self.bytes_done, self.shown = 0, 0, 0.0
 
     def admit(self, report: SourceReport, page_id: int, skip: str | None) -> bool:
         """Count one page read; True when it is a new article to write, else its skip is counted."""
@@ -226,7 +250,18 @@ class WikiJob:
         except TruncatedDump as err:
             report.status, report.error, report.byte_offset = "truncated", err.message, err.byte_offset
 
-    def read_blocks(self, pool, reader: DumpReader, index: str, report: SourceReport) -> None:
+    def progress(self, dump_bytes: int, n_dumps: int, force: bool = False) -> None:
+        """The bar's rate is pages/s; this adds the whole job's input read (``dump_bytes`` of the current dump,
+        as stored), its MB/s and the dumps done, at most twice a second (and when ``force``)."""
+        now = time.time()
+        if force or now - self.shown >= 0.5:
+            self.shown = now
+            mb = (self.bytes_done + dump_bytes) / 1e6
+            self.bar.set_postfix_str(f"{mb:.1f} MB, {mb / max(now - self.start, 1e-9):.2f} MB/s, dumps "
+                                     f"{self.dumps_done}/{n_dumps}", refresh=force)
+
+    def read_blocks(self, pool, slots: int, reader: DumpReader, index: str, report: SourceReport,
+                    n_dumps: int) -> None:
         """A multistream dump with its index: workers read one bz2 stream each; blocks are written in file order.
 
         Each stream must end where the next listed one starts, and the last one where the closing stream starts,
@@ -237,8 +272,9 @@ class WikiJob:
                            frozenset(info.category_prefixes), self.args.passage_words)
                  for block in index_blocks(index, reader.path))
         end, block = None, None
-        for result in ordered_map(pool, process_block, tasks, window=2 * self.args.workers):
+        for result in ordered_map(pool, process_block, tasks, window=2 * slots):
             block = result.block
+            self.progress(block.offset, n_dumps)
             if end is not None and block.offset != end:
                 raise BadIndex(f"{index}:{block.line}: the previous bz2 stream ends at byte {end}, but this line lists "
                                f"{block.offset}: the dump holds a stream the index does not list")
@@ -258,7 +294,7 @@ class WikiJob:
         except TruncatedDump as err:
             self.lose(report, err.message, end, 0)
             return
-        if footer.strip() != b"</mediawiki>" or footer_end != os.path.getsize(reader.path):
+        if footer.strip() != b"</mediawiki>" or footer_end != storage.size(reader.path):
             raise BadIndex(f"{index}:{block.line}: the dump goes on after the bz2 stream of this last listed block "
                            f"with more than the closing </mediawiki>: pages the index does not list?")
 
@@ -291,7 +327,15 @@ class WikiJob:
 
     def run(self, readers: list[DumpReader], indexes: list[str | None]) -> None:
         workers = self.args.workers
-        pool = multiprocessing.Pool(workers) if workers > 1 else None
+        if self.args.ray:
+            pool = RayPool(workers or os.cpu_count() or 1)
+            slots = pool.slots
+        else:
+            slots = workers or 1
+            pool = multiprocessing.Pool(slots) if slots > 1 else None
+        # After the pool: rates leave out the start of a local Ray cluster (seconds).
+        self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        self.start = time.time()
         # A folder's streams are closed after its last input: its shuffle windows (up to
         # --shuffle-window-mb per stream) are written out then, not held until every language is read.
         last = {self.folders[reader.lang]: reader for reader in readers}
@@ -300,12 +344,18 @@ class WikiJob:
                 report = SourceReport(os.path.basename(reader.path), reader.lang, reader.siteinfo.dbname)
                 self.sources.append(report)
                 if index is not None:
-                    self.read_blocks(pool, reader, index, report)
-                    report.bytes_read = os.path.getsize(reader.path)
+                    self.read_blocks(pool, slots, reader, index, report, len(readers))
+                    report.bytes_read = storage.size(reader.path)
                 else:
-                    for result in ordered_map(pool, process_page, self.tasks(reader, report), window=32 * workers):
-                        self.write(result)
+                    for results in ordered_map(pool, process_pages, batches(self.tasks(reader, report)),
+                                               window=2 * slots):
+                        for result in results:
+                            self.write(result)
+                        self.progress(reader.bytes_read, len(readers))
                     report.bytes_read = reader.bytes_read
+                self.dumps_done += 1
+                self.bytes_done += report.bytes_read
+                self.progress(0, len(readers), force=True)
                 counts = self.counts[reader.lang]
                 counts.files += 1
                 counts.bytes_read += report.bytes_read
@@ -346,8 +396,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "more than one language, else flat")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
-    p.add_argument("--workers", type=cli.positive(int), default=1, metavar="N",
-                   help="processes parsing wikitext; output is identical for any N (default: 1)")
+    p.add_argument("--workers", type=cli.positive(int), metavar="N",
+                   help="processes parsing wikitext; output is identical for any N (default: 1; with --ray, the "
+                        "CPUs of the local cluster it starts: all cores)")
+    p.add_argument("--ray", action="store_true",
+                   help="run the parsing (with --index: the reading of each bz2 block too, by ranged reads from "
+                        "local or object storage) as Ray tasks, on the cluster at RAY_ADDRESS (as under `ray job "
+                        "submit`; --workers is then ignored) or else on a local cluster on 127.0.0.1; failed tasks "
+                        "are retried; output is identical to a run in one process"),
     p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
                    help="word budget of a passage in the documents stream; a Chinese or Japanese character "
                         "counts as a word (default: 200)")
@@ -397,8 +453,6 @@ def main(args: argparse.Namespace) -> int:
         for reader, index in zip(readers, indexes):  # validate every input before anything is written
             try:
                 reader.read_siteinfo()
-                if index is not None and "://" in reader.path:
-                    raise DumpError("--index reads a dump by byte offset: download it first")
                 if index is not None:
                     check_index(index, reader.path)
             except DumpError as err:

@@ -1,0 +1,95 @@
+"""Ray tasks in place of a process pool: ``data_prep wiki --ray``.
+
+``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki.ordered_map`` uses, ``apply_async``,
+so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
+the memory bound) and writes the results in input order, which keeps the output byte-identical to a run in
+one process. Tasks get their inputs from the dump itself (a ranged read of one bz2 stream, local or in
+object storage) or, for a dump without an index, as arguments (a batch of pages the driver read).
+
+A task that fails is run again, up to ``MAX_RETRIES`` times: when its worker process or node dies (Ray does
+that for every task), and when it raises a storage error that outlived ``clsys.storage``'s own retries.
+Other exceptions (a ``BadIndex``, a bug) are not retried: they reach the driver as the task raised them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from clsys.storage import StorageError
+
+MAX_RETRIES = 3
+# Fault injection for the tests, off unless set: "raise:PATH" or "exit:PATH". The first task to create the
+# file PATH (one task in the whole cluster, a file on a machine every worker shares) raises a StorageError or
+# exits its worker process; the tests check that the task is run again and the output is unchanged.
+FAULT_ENV = "DATA_PREP_FAULT_ONCE"
+# Non-secret settings the tasks need (credentials come from each worker's own environment or role, never
+# through Ray's runtime_env, which the dashboard shows).
+WORKER_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", FAULT_ENV)
+
+
+def _task(fn, *args):
+    """What every Ray task runs: ``fn(*args)``, once the test fault (if any) has had its turn."""
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        how, _, path = fault.partition(":")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            if how == "exit":
+                os._exit(1)
+            raise StorageError(f"{FAULT_ENV}: an injected storage fault")
+    return fn(*args)
+
+
+class _Result:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def get(self):
+        import ray
+
+        try:
+            return ray.get(self.ref)
+        except ray.exceptions.RayTaskError as err:
+            # The task's own exception, as a pool worker's would arrive: the driver reports a BadIndex or a
+            # StorageError in one line; the remote traceback stays attached for anything else.
+            raise err.cause from err
+
+
+class RayPool:
+    """Tasks on the Ray cluster at ``RAY_ADDRESS`` (as under ``ray job submit``), else on a local cluster of
+    ``cpus`` CPUs started on 127.0.0.1 for this run. ``slots``: the cluster's CPUs, one task each."""
+
+    def __init__(self, cpus: int):
+        env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
+        # Under `ray job submit`, the job's runtime_env already sets its variables on every worker, and Ray
+        # refuses a driver runtime_env that sets them again.
+        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+        env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
+        joining = bool(os.environ.get("RAY_ADDRESS"))
+        if not joining:
+            # Without it, a local cluster binds its services to the machine's external address.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"])
+        import ray
+
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        local = {} if joining else {"address": "local", "num_cpus": cpus, "include_dashboard": False}
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING, **local)
+        self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self._remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES,
+                                  retry_exceptions=[StorageError, OSError])(_task)
+        where = f"the Ray cluster at {os.environ['RAY_ADDRESS']}" if joining else "a local Ray cluster"
+        print(f"data_prep wiki: {self.slots} tasks at a time on {where}", file=sys.stderr, flush=True)
+
+    def apply_async(self, fn, args: tuple) -> _Result:
+        return _Result(self._remote.remote(fn, *args))
+
+    def terminate(self) -> None:
+        import ray
+
+        ray.shutdown()

@@ -1,0 +1,117 @@
+"""data_prep wiki --ray: a real local Ray cluster (2 CPUs, all on 127.0.0.1) that each run joins through
+RAY_ADDRESS, as under `ray job submit`; multistream dumps and their indexes in a real moto S3 server
+(127.0.0.1), read by the tasks with ranged reads; shards written to it. The output must be the one-process
+run's, byte for byte."""
+from __future__ import annotations
+
+import bz2
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from clsys import storage
+from conftest import loopback_ray_cluster
+from data_prep.ray_pool import FAULT_ENV
+from test_data_prep import SAMPLE, run_cli, small_dump, write_multistream
+from test_data_prep_languages import DUMPS, LANGS
+
+SHARD_MB = "0.05"  # several shards a stream, so that their order matters
+
+
+@pytest.fixture(scope="module")
+def ray_env(s3_server):
+    """The cluster, started after the S3 server: its workers take the server's credentials from the
+    environment they start with (the driver passes them only its endpoint and region)."""
+    with loopback_ray_cluster(head_cpus=2) as (_, env):
+        yield env
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server) -> str:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    storage.s3_client().create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def upload_multistream(xml: bytes, name: str, bucket: str, folder: Path, pages_per_block: int) -> tuple[str, str]:
+    """``xml`` as a multistream dump and its index, uploaded as ``NAME-pages-articles-multistream.xml.bz2``
+    and ``NAME-pages-articles-multistream-index.txt.bz2``; their URLs."""
+    folder.mkdir()
+    dump, index, _ = write_multistream(xml, folder, pages_per_block)
+    urls = (f"{bucket}/dumps/{name}-pages-articles-multistream.xml.bz2",
+            f"{bucket}/dumps/{name}-pages-articles-multistream-index.txt.bz2")
+    for path, url in zip((dump, index), urls):
+        storage.upload_file(str(path), url)
+    return urls
+
+
+def objects(prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix``, by its name below it."""
+    return {url[len(prefix):]: storage.read_bytes(url) for url in storage.list_prefix(prefix)}
+
+
+@pytest.fixture(scope="module")
+def english(bucket, tmp_path_factory) -> tuple[str, str, dict[str, bytes]]:
+    """60 pages of the bundled sample in blocks of 7 pages (9 blocks), and the one-process run's output
+    (no index: the dump streamed from S3 in one piece)."""
+    xml = small_dump(bz2.decompress(SAMPLE.read_bytes()), 0, 60)
+    dump, index = upload_multistream(xml, "enwiki-20261101", bucket, tmp_path_factory.mktemp("en") / "d", 7)
+    result = run_cli("--input", dump, "--out", f"{bucket}/serial-en", "--shard-size-mb", SHARD_MB)
+    assert result.returncode == 0, result.stderr
+    return dump, index, objects(f"{bucket}/serial-en")
+
+
+@pytest.mark.parametrize("by_block", [True, False], ids=["index", "no_index"])
+def test_ray_from_s3_equals_serial(by_block, english, bucket, ray_env):
+    """With the index, tasks read their bz2 block from S3; without, the driver streams the dump and tasks
+    parse batches of its pages."""
+    dump, index, serial = english
+    out = f"{bucket}/ray-en-{by_block}"
+    result = run_cli("--input", dump, *(("--index", index) if by_block else ()), "--out", out,
+                     "--shard-size-mb", SHARD_MB, "--ray", env=ray_env)
+    assert result.returncode == 0, result.stderr
+    assert f"2 tasks at a time on the Ray cluster at {ray_env['RAY_ADDRESS']}" in result.stderr
+    assert "dumps 1/1" in result.stderr  # the progress line
+    ray = objects(out)
+    shards = [name for name in ray if name.startswith("/sentences/shard-")]
+    assert len(shards) > 2 and ray == serial
+    (source,) = json.loads(ray["/sentences/manifest.json"])["sources"]
+    assert (source["status"], source["pages_read"]) == ("complete", 60)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_failed_task_is_retried(how, english, bucket, ray_env, tmp_path):
+    """One task fails (a storage error its retries did not outlive; its worker process dying): Ray runs it
+    again, and the output is still the one-process run's."""
+    dump, index, serial = english
+    marker = tmp_path / "fault"
+    out = f"{bucket}/retried-{how}"
+    result = run_cli("--input", dump, "--index", index, "--out", out, "--shard-size-mb", SHARD_MB, "--ray",
+                     env={**ray_env, FAULT_ENV: f"{how}:{marker}"})
+    assert result.returncode == 0, result.stderr
+    assert marker.exists()  # the fault did fire
+    assert objects(out) == serial
+
+
+def test_several_languages_in_one_ray_run(english, bucket, ray_env, tmp_path):
+    """English, Chinese, Japanese and Arabic multistream dumps in one run: one stream pair per language,
+    each as the one-process run writes it."""
+    en_dump, en_index, _ = english
+    dumps, indexes = [en_dump], [en_index]
+    for lang in ("zh", "ja", "ar"):
+        dump, index = upload_multistream(DUMPS[LANGS[lang]], f"{lang}wiki-20261101",
+                                         bucket, tmp_path / lang, 2)
+        dumps.append(dump)
+        indexes.append(index)
+    serial = run_cli("--input", *dumps, "--out", f"{bucket}/serial-all")
+    assert serial.returncode == 0, serial.stderr
+    ray = run_cli("--input", *dumps, "--index", *indexes, "--out", f"{bucket}/ray-all", "--ray", env=ray_env)
+    assert ray.returncode == 0, ray.stderr
+    written = objects(f"{bucket}/ray-all")
+    assert written == objects(f"{bucket}/serial-all")
+    assert {name.split("/")[1] for name in written} == {"ar", "en", "ja", "zh"}
+    for lang in ("ar", "en", "ja", "zh"):
+        manifest = json.loads(written[f"/{lang}/sentences/manifest.json"])
+        assert manifest["languages"] == [lang] and manifest["samples"] > 0
