@@ -3,7 +3,8 @@
 ``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki.ordered_map`` uses, ``apply_async``,
 so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
 the memory bound) and writes the results in input order, which keeps the output byte-identical to a run in
-one process. Tasks get their inputs from the dump itself (a ranged read of one bz2 stream, local or in
+one process. The results are samples the tasks already encoded as tar bytes (``wiki.EncodedPage``): the
+driver, the one serial part, only counts them and concatenates them into shards. Tasks get their inputs from the dump itself (a ranged read of one bz2 stream, local or in
 object storage) or, for a dump without an index, as arguments (a batch of pages the driver read).
 
 A task that fails is run again, up to ``MAX_RETRIES`` times: when its worker process or node dies (Ray does

@@ -5,6 +5,11 @@ A stream is a folder ``URL/`` holding ``shard-000000.tar``, ``shard-000001.tar``
 Tar bytes depend only on the samples (mtime 0, uid/gid 0, no user names, members in a fixed
 order), so re-running on the same input reproduces every shard's sha256 and the upload of an
 unchanged shard can be skipped.
+
+A sample's tar bytes (its members, headers and padding included) depend on the sample alone, so they are
+built by ``encode_sample``, a pure function, wherever the sample is made: ``data_prep wiki``'s workers or
+Ray tasks return their pages' samples encoded, and the single process that writes the shards in order only
+concatenates them (``ShardWriter.write_encoded``) instead of building every header and JSON itself.
 """
 from __future__ import annotations
 
@@ -57,6 +62,16 @@ def ustar_header(name: str, size: int) -> bytes:
     return bytes(header)
 
 
+def encode_sample(key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> bytes:
+    """A sample's bytes in a tar: a ustar header and the data padded to 512 bytes for each member
+    (``key.json``, ``key.txt`` and ``key.EXT`` for each of ``extra``), members sorted by name (.ids, .json,
+    .txt), so that the bytes depend on the sample alone. ``ShardWriter.write`` writes exactly these."""
+    members = sorted([(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
+                      (f"{key}.txt", text.encode()),
+                      *((f"{key}.{ext}", data) for ext, data in (extra or {}).items())])
+    return b"".join(ustar_header(name, len(data)) + data + bytes(-len(data) % 512) for name, data in members)
+
+
 @dataclass
 class ShardWriter:
     """Writes samples (``key`` + ``txt`` + ``json``, plus any ``extra`` members) into rolling tar shards under ``url``.
@@ -70,6 +85,9 @@ class ShardWriter:
     the shards mixed across every document of the window, so a training batch, drawn through the
     loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
     would give it. The order depends on the samples and the seed alone: re-runs reproduce every shard.
+
+    ``write_encoded`` takes a sample ``encode_sample`` already made (elsewhere, e.g. in a worker process):
+    the same bytes, window and order as ``write`` with the sample's fields.
     """
 
     url: str
@@ -87,8 +105,9 @@ class ShardWriter:
     _samples: int = field(default=0, init=False, repr=False)
     _size: int = field(default=0, init=False, repr=False)
     _old_manifest_removed: bool = field(default=False, init=False, repr=False)
-    # Samples held back for the shuffle: (members, tar bytes) each, their total, and windows written so far.
-    _window: list[tuple[list[tuple[str, bytes]], int]] = field(default_factory=list, init=False, repr=False)
+    # Samples held back for the shuffle: each one's tar bytes (``encode_sample``), their total size, and
+    # windows written so far.
+    _window: list[bytes] = field(default_factory=list, init=False, repr=False)
     _window_size: int = field(default=0, init=False, repr=False)
     _windows: int = field(default=0, init=False, repr=False)
 
@@ -98,36 +117,36 @@ class ShardWriter:
 
     def write(self, key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> None:
         """One sample; ``extra`` maps further member extensions to their bytes (``ids``: pre-tokenized)."""
-        members = sorted([(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
-                          (f"{key}.txt", text.encode()),
-                          *((f"{key}.{ext}", data) for ext, data in (extra or {}).items())])
-        size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)  # header + padded data
+        self.write_encoded(encode_sample(key, text, meta, extra))
+
+    def write_encoded(self, sample: bytes) -> None:
+        """One sample as ``encode_sample`` returns it."""
         if not self.shuffle_window:
-            self._append(members, size)
+            self._append(sample)
             return
-        self._window.append((members, size))
-        self._window_size += size
+        self._window.append(sample)
+        self._window_size += len(sample)
         if self._window_size >= self.shuffle_window:
             self._write_window()
 
     def _write_window(self) -> None:
         # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
+        # The permutation depends on the seed and the number of samples alone, not on what the list holds.
         random.Random(f"{self.seed}/{os.path.basename(self.url.rstrip('/'))}/{self._windows}").shuffle(self._window)
-        for members, size in self._window:
-            self._append(members, size)
+        for sample in self._window:
+            self._append(sample)
         self._window, self._window_size, self._windows = [], 0, self._windows + 1
 
-    def _append(self, members: list[tuple[str, bytes]], size: int) -> None:
+    def _append(self, sample: bytes) -> None:
         # Room for the 1 KiB end-of-archive marker and the padding to a whole tar record.
-        if self._tar is not None and self._size + size + 1024 + tarfile.RECORDSIZE > self.max_bytes:
+        if self._tar is not None and self._size + len(sample) + 1024 + tarfile.RECORDSIZE > self.max_bytes:
             self._finish()
         if self._tar is None:
             self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
             self._tar = open(self._path, "wb")
-        for name, data in members:  # sorted by extension (.ids, .json, .txt): the bytes depend on the sample alone
-            self._tar.write(ustar_header(name, len(data)) + data + bytes(-len(data) % 512))
+        self._tar.write(sample)
         self._samples += 1
-        self._size += size
+        self._size += len(sample)
 
     def close(self) -> None:
         """Write what the shuffle window holds and finish the shard being filled; a later ``write``

@@ -453,3 +453,24 @@ def test_multistream_wrong_index(kind, multistream, tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"error: {wrong}:{n}: " in result.stderr and expect in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not list((tmp_path / "out").rglob("manifest.json"))
+
+
+def test_encoded_samples_write_the_same_shards(tmp_path):
+    """A sample encoded elsewhere (encode_sample, as data_prep wiki's workers do) and handed to write_encoded
+    gives the bytes, shuffle order and shard roll-over of ShardWriter.write with its fields."""
+    from data_prep.shards import ShardWriter, encode_sample
+
+    samples = [(f"en-{i}-{i % 7:05d}", "Satz é " * (i % 50), {"title": "Ü" * (i % 5), "page_id": i},
+                {"ids": bytes(range(i % 256))} if i % 3 == 0 else None) for i in range(300)]
+    shards = {}
+    for how in ("write", "write_encoded"):
+        writer = ShardWriter(str(tmp_path / how / "s"), str(tmp_path), 60_000, shuffle_window=100_000, seed=5)
+        for key, text, meta, extra in samples:
+            if how == "write":
+                writer.write(key, text, meta, extra)
+            else:
+                writer.write_encoded(encode_sample(key, text, meta, extra))
+        writer.close()
+        assert len(writer.shards) > 3 and writer.samples == 300
+        shards[how] = [(p.name, p.read_bytes()) for p in sorted((tmp_path / how / "s").iterdir())]
+    assert shards["write_encoded"] == shards["write"]
