@@ -189,6 +189,40 @@ def test_alternate_and_summed_schedules_train_both_heads(tiny_model):
                                             rel=1e-5)
 
 
+def test_keep_weight_pulls_the_pooled_embeddings_to_the_starting_encoders(tiny_model):
+    objective = make(tiny_model, "objective.keep_weight=2.0")
+    assert not any(p.requires_grad for p in objective.start_encoder.parameters())
+    objective.train()
+    assert not objective.start_encoder.training  # e₀ without dropout
+    batch = objective.collate([{"json": record(i)} for i in range(4)])
+    objective.eval()
+    assert objective.keep_loss(batch).item() == pytest.approx(0.0, abs=1e-6)  # nothing trained yet
+
+    with torch.no_grad():
+        for p in objective.model.encoder.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    keep = objective.keep_loss(batch)
+    distances = []  # float64 loop reference: each text alone, mean pooling over its own tokens
+    for side in ("query", "document"):
+        ids, types, mask = (batch[f"keep_{side}_{k}"] for k in ("input_ids", "token_type_ids", "attention_mask"))
+        for row in range(ids.shape[0]):
+            n = int(mask[row].sum())
+            inputs = {"input_ids": ids[row:row + 1, :n], "token_type_ids": types[row:row + 1, :n]}
+            with torch.no_grad():
+                e = objective.model(**inputs).last_hidden_state[0].double().mean(0)
+                e0 = objective.start_encoder(**inputs).last_hidden_state[0].double().mean(0)
+            distances.append(1 - float(e @ e0 / (e.norm() * e0.norm())))
+    assert keep.item() == pytest.approx(sum(distances) / len(distances), rel=1e-4) and keep.item() > 1e-4
+
+    out = objective({**batch, "task": "rr", "stream": "en-de"})
+    rr, _ = objective.rr_loss(batch)
+    assert out.loss.item() == pytest.approx(rr.item() + 2.0 * keep.item(), rel=1e-5)
+    assert out.metrics["keep_loss"].item() == pytest.approx(keep.item(), rel=1e-6)
+    out.loss.backward()
+    assert all(p.grad is None for p in objective.start_encoder.parameters())
+    assert make(tiny_model).start_encoder is None  # off by default: no copy
+
+
 def write_stream(folder, records: list[dict], per_shard: int) -> str:
     writer = ShardWriter(str(folder), str(folder.parent), max_bytes=1 << 30)
     for i, r in enumerate(records):
