@@ -1,7 +1,7 @@
 """``data_prep align``: aligned Wikipedia sections across languages, for cross-lingual QLM/RR pretraining.
 
 Inputs: one MediaWiki dump per language (read with ``dumps.DumpReader`` and cleaned with
-``wiki.process_page``, exactly as ``data_prep wiki`` does) and Wikipedia's interlanguage-link dumps
+``wiki_tasks.process_page``, exactly as ``data_prep wiki`` does) and Wikipedia's interlanguage-link dumps
 (``langlinks.py``). Output: one stream per language pair, ``OUT/clir/<A>-<B>/``, one sample per
 aligned section pair (OBJECTIVES.md §4.1: the query is a sentence of one side, the document the
 other side's section; the direction is drawn at training time, so records are symmetric).
@@ -48,7 +48,7 @@ from data_prep.langlinks import Langlink, LanglinksError, LanglinksFile
 from data_prep.sectionalign import DEFAULT_THRESHOLD, Article, Match, Section, SectionAligner
 from data_prep.shards import ShardWriter, previous_shas
 from data_prep.dumps import DumpError, DumpReader, TruncatedDump
-from data_prep.wiki import PageTask, ordered_map, process_page
+from data_prep.wiki_tasks import PageTask, ordered_map, process_page
 
 DROP_REASONS = ("no_langlink", "source_missing", "target_missing", "redirect", "conflicting_link", "empty_article",
                 "section_too_short", "below_threshold", "unmatched_section", "malformed_langlinks_line")

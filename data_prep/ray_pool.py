@@ -1,6 +1,6 @@
 """Ray tasks in place of a process pool: ``data_prep wiki --ray``.
 
-``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki.ordered_map`` uses, ``apply_async``,
+``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki_tasks.ordered_map`` uses, ``apply_async``,
 so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
 the memory bound) and writes the results in input order, which keeps the output byte-identical to a run in
 one process. The results are samples the tasks already encoded as tar bytes (``wiki.EncodedPage``): the

@@ -6,7 +6,8 @@ The command feeds the articles of each dump (read by ``dumps.DumpReader``) throu
 writers shuffle each ``--shuffle-window-mb`` of samples with ``--seed`` before writing them: batches
 then mix many articles (in-batch negatives from one article are often false negatives).
 A Wikimedia *multistream* dump with its index (``--index``) is read in parallel too: pool workers
-each decompress, parse and process one bz2 block (``dumps.BlockReader``). With ``--ray`` the same work
+each decompress, parse and process one bz2 block (``dumps.BlockReader``). What the workers run is in
+``wiki_tasks.py``. With ``--ray`` the same work
 runs as Ray tasks over a cluster's CPUs (``ray_pool.RayPool``), the driver still writing in input order.
 
 The workers also encode each article's samples as the bytes they take in a tar (``EncodedPage``,
@@ -24,10 +25,7 @@ language keeps the plain ``OUT/sentences`` and ``OUT/documents``.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import functools
-import itertools
 import multiprocessing
 import os
 import re
@@ -42,12 +40,11 @@ from tqdm import tqdm
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.dumps import (BadIndex, Block, BlockReader, DumpError, DumpReader, TruncatedDump, check_index,
-                             index_blocks, read_bz2_stream, skip_reason)
+from data_prep.dumps import (BadIndex, DumpError, DumpReader, TruncatedDump, check_index, index_blocks,
+                             read_bz2_stream, skip_reason)
 from data_prep.ray_pool import RayPool
-from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
-from data_prep.shards import ShardWriter, encode_sample, previous_shas
-from data_prep.wikitext import WikitextCleaner
+from data_prep.shards import ShardWriter, previous_shas
+from data_prep.wiki_tasks import BlockTask, EncodedPage, PageTask, batches, ordered_map, process_block, process_pages
 
 STREAMS = ("sentences", "documents")
 # The first four count pages, the last three sentences.
@@ -84,160 +81,6 @@ class Counts:
     passages: int = 0
     bytes_read: int = 0
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
-
-
-@dataclass
-class PageTask:
-    lang: str
-    page_id: int
-    title: str
-    text: str
-    media_prefixes: frozenset[str]
-    category_prefixes: frozenset[str]
-    passage_words: int
-
-
-@dataclass
-class PageResult:
-    lang: str
-    page_id: int
-    title: str
-    sections: list[tuple[str, list[str], list[Passage]]]  # (heading, sentences, passages)
-    stats: SplitStats
-
-
-@dataclass
-class EncodedPage:
-    """One article's samples, each already the bytes ``ShardWriter`` puts in a tar (``encode_sample``), in
-    page order; ``stats``: its sentences skipped. No sentences: an empty article."""
-
-    lang: str
-    page_id: int
-    sentences: list[bytes]
-    passages: list[bytes]
-    stats: SplitStats
-
-
-# A task without an index carries the pages the driver read: up to this much wikitext (or one longer page),
-# so that a task's memory does not depend on the dump and the task overhead is paid per batch, not per page.
-BATCH_CHARS = 1 << 20
-
-
-@functools.lru_cache(maxsize=16)
-def _cleaner(media: frozenset[str], category: frozenset[str]) -> WikitextCleaner:
-    return WikitextCleaner(media, category)
-
-
-def process_page(task: PageTask) -> PageResult:
-    """wikitext → sections → filtered sentences → passages. Runs in the worker processes."""
-    stats = SplitStats()
-    sections = []
-    for section in _cleaner(task.media_prefixes, task.category_prefixes).sections(task.text):
-        sentences = [s for p in section.paragraphs for s in split_sentences(task.lang, p, stats)]
-        if sentences:
-            sections.append((section.heading, sentences, pack_passages(sentences, task.passage_words)))
-    return PageResult(task.lang, task.page_id, task.title, sections, stats)
-
-
-def encode_page(result: PageResult) -> EncodedPage:
-    """The page's samples as the shards hold them. Keys number the page's sentences (and its passages) from 0
-    across its sections, ``LANG-PAGEID-NNNNN``; the metadata name the page and the section."""
-    sentences: list[bytes] = []
-    passages: list[bytes] = []
-    key = f"{result.lang}-{result.page_id}"
-    for heading, section_sentences, section_passages in result.sections:
-        meta = {"lang": result.lang, "page_id": result.page_id, "title": result.title, "section": heading}
-        for sentence in section_sentences:
-            sentences.append(encode_sample(f"{key}-{len(sentences):05d}", sentence, meta))
-        for passage in section_passages:
-            passages.append(encode_sample(f"{key}-{len(passages):05d}", passage.text,
-                                          {**meta, "n_chars": len(passage.text)}))
-    return EncodedPage(result.lang, result.page_id, sentences, passages, result.stats)
-
-
-def prepare_page(task: PageTask) -> EncodedPage:
-    """``process_page`` and ``encode_page``: what a worker returns for an article."""
-    return encode_page(process_page(task))
-
-
-def process_pages(batch: list[PageTask]) -> list[EncodedPage]:
-    return [prepare_page(task) for task in batch]
-
-
-def batches(tasks: Iterator[PageTask]) -> Iterator[list[PageTask]]:
-    """Consecutive pages in batches of up to ``BATCH_CHARS`` of wikitext."""
-    batch, chars = [], 0
-    for task in tasks:
-        if batch and chars + len(task.text) > BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-        batch.append(task)
-        chars += len(task.text)
-    if batch:
-        yield batch
-
-
-@dataclass
-class BlockTask:
-    dump: str
-    index: str
-    block: Block
-    lang: str
-    media_prefixes: frozenset[str]
-    category_prefixes: frozenset[str]
-    passage_words: int
-
-
-@dataclass
-class BlockResult:
-    block: Block
-    end: int | None  # offset just past the stream; None when it could not be read
-    pages: list[tuple[int, str | EncodedPage]]  # (page id, skip reason or the encoded article), in file order
-    error: str | None = None
-
-
-def process_block(task: BlockTask) -> BlockResult:
-    """Read one bz2 stream of a multistream dump and process its articles. Runs in the worker processes."""
-    block = task.block
-    reader = BlockReader(task.dump, block)
-    try:
-        pages = list(reader.pages())
-    except TruncatedDump as err:
-        return BlockResult(block, None, [], err.message)
-    ids = [page.page_id for page in pages]
-    if ids != block.page_ids:
-        i = next(i for i, (a, b) in enumerate(itertools.zip_longest(ids, block.page_ids)) if a != b)
-        found, listed = (seq[i] if i < len(seq) else "nothing" for seq in (ids, block.page_ids))
-        raise BadIndex(f"{task.index}:{block.line + min(i, len(block.page_ids) - 1)}: the bz2 stream at byte "
-                       f"{block.offset} holds page id {found} as its page {i + 1}, the index lists {listed}")
-    results: list[tuple[int, str | EncodedPage]] = []
-    for page in pages:
-        # Duplicates of earlier inputs are only known in the main process: it drops their results.
-        reason = skip_reason(page)
-        if reason is not None:
-            results.append((page.page_id, reason))
-        else:
-            results.append((page.page_id, prepare_page(PageTask(
-                task.lang, page.page_id, page.title, page.text, task.media_prefixes, task.category_prefixes,
-                task.passage_words))))
-    return BlockResult(block, reader.end, results)
-
-
-def ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
-    """Like ``pool.imap`` but with at most ``window`` tasks in flight.
-
-    ``Pool.imap`` drains its input eagerly, which would pull a whole multi-GB dump into memory.
-    """
-    if pool is None:
-        yield from map(fn, items)
-        return
-    pending: collections.deque = collections.deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 class WikiJob:

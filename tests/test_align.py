@@ -17,7 +17,7 @@ from clsys import storage
 from data_prep.langlinks import LanglinksError, LanglinksFile
 from data_prep.shards import read_manifest
 from data_prep.dumps import DumpReader
-from data_prep.wiki import PageTask, process_page
+from data_prep.wiki_tasks import PageTask, process_page
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "clir"
