@@ -44,7 +44,7 @@ def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
             continue
         if len(sentence) > MAX_CHARS:
             stats.too_long += 1
-        elif len(sentence) + len(_CJK.findall(sentence)) < MIN_CHARS or count_words(sentence) < MIN_WORDS:
+        elif len(sentence) + _cjk_chars(sentence) < MIN_CHARS or count_words(sentence) < MIN_WORDS:
             stats.too_short += 1
         elif any(m in sentence for m in MARKUP):
             stats.markup += 1
@@ -55,8 +55,13 @@ def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
 
 def count_words(text: str) -> int:
     """Whitespace-separated words, each Chinese or Japanese character counted as one (``_CJK``)."""
-    cjk = len(_CJK.findall(text))
+    cjk = _cjk_chars(text)
     return len(_CJK.sub(" ", text).split()) + cjk if cjk else len(text.split())
+
+
+def _cjk_chars(text: str) -> int:
+    # Most sentences have none: ASCII is checked in C without the regex, and a search stops at the first.
+    return 0 if text.isascii() or not _CJK.search(text) else len(_CJK.findall(text))
 
 
 def pack_passages(sentences: list[str], max_words: int) -> list[Passage]:

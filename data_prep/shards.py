@@ -13,7 +13,9 @@ concatenates them (``ShardWriter.write_encoded``) instead of building every head
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -41,35 +43,54 @@ class ShardInfo:
     sha256: str
 
 
+# The fixed fields of ``ustar_header`` (mode 644, uid/gid 0 | mtime 0 | the checksum field counted as
+# spaces, as the checksum is computed | type "regular file" | magic and version) and their byte sum.
+_MODE_IDS = b"0000644\x000000000\x000000000\x00"
+_MTIME = b"00000000000\x00"
+_MAGIC = b"ustar\x0000"
+_FIXED_SUM = sum(_MODE_IDS) + sum(_MTIME) + sum(b" " * 8) + ord("0") + sum(_MAGIC)
+# From the type field on: "regular file", no link name, magic and version, no user/group names,
+# devices or prefix.
+_TAIL = b"0" + bytes(100) + _MAGIC + bytes(247)
+_ZEROS = bytes(512)
+
+
 def ustar_header(name: str, size: int) -> bytes:
     """The 512-byte ustar header of a regular file as ``tarfile`` writes it for our members (mode 644,
     uid/gid 0, mtime 0, no user names), built directly: ``tarfile.addfile`` costs ~60 µs a member,
-    most of the time of a whole ``data_prep`` shard writer, and keeps every member in a list."""
+    most of the time of a whole ``data_prep`` shard writer, and keeps every member in a list. The
+    checksum adds the name's and size's bytes to the fixed fields' sum (two members per sentence:
+    this runs millions of times per dump)."""
     encoded = name.encode()
     if len(encoded) > 100:
         raise ValueError(f"tar member name longer than 100 bytes: {name!r}")
     if size >= 8 ** 11:
         raise ValueError(f"tar member {name!r} is too large for ustar ({size} bytes)")
-    header = bytearray(512)
-    header[0:len(encoded)] = encoded
-    header[100:124] = b"0000644\x000000000\x000000000\x00"  # mode, uid, gid
-    header[124:136] = b"%011o\x00" % size
-    header[136:148] = b"00000000000\x00"  # mtime
-    header[148:156] = b"        "  # the checksum counts its own field as spaces
-    header[156:157] = b"0"  # regular file
-    header[257:265] = b"ustar\x0000"
-    header[148:156] = b"%06o\x00 " % sum(header)
-    return bytes(header)
+    size_field = b"%011o\x00" % size
+    checksum = b"%06o\x00 " % (_FIXED_SUM + sum(encoded) + sum(size_field))
+    # name 0-100 | mode, uid, gid 100-124 | size 124-136 | mtime 136-148 | checksum 148-156 | the rest
+    return b"".join((encoded.ljust(100, b"\0"), _MODE_IDS, size_field, _MTIME, checksum, _TAIL))
+
+
+def encode_members(key: str, members: dict[str, bytes]) -> bytes:
+    """A sample's members (extension → data) as tar bytes: for each, a ustar header and the data padded
+    to 512 bytes, sorted by extension (.ids, .json, .txt), so that the bytes depend on the sample alone."""
+    parts: list[bytes] = []
+    for ext in sorted(members):
+        data = members[ext]
+        parts += (ustar_header(f"{key}.{ext}", len(data)), data, _ZEROS[:-len(data) % 512])
+    return b"".join(parts)
+
+
+def encode_meta(meta: dict) -> bytes:
+    """A sample's ``json`` member."""
+    return json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()
 
 
 def encode_sample(key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> bytes:
-    """A sample's bytes in a tar: a ustar header and the data padded to 512 bytes for each member
-    (``key.json``, ``key.txt`` and ``key.EXT`` for each of ``extra``), members sorted by name (.ids, .json,
-    .txt), so that the bytes depend on the sample alone. ``ShardWriter.write`` writes exactly these."""
-    members = sorted([(f"{key}.json", json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()),
-                      (f"{key}.txt", text.encode()),
-                      *((f"{key}.{ext}", data) for ext, data in (extra or {}).items())])
-    return b"".join(ustar_header(name, len(data)) + data + bytes(-len(data) % 512) for name, data in members)
+    """A sample's bytes in a tar (``encode_members`` of ``key.json``, ``key.txt`` and ``key.EXT`` for each
+    of ``extra``). ``ShardWriter.write`` writes exactly these."""
+    return encode_members(key, {"json": encode_meta(meta), "txt": text.encode(), **(extra or {})})
 
 
 @dataclass
@@ -122,7 +143,7 @@ class ShardWriter:
     def write_encoded(self, sample: bytes) -> None:
         """One sample as ``encode_sample`` returns it."""
         if not self.shuffle_window:
-            self._append(sample)
+            self._append([sample])
             return
         self._window.append(sample)
         self._window_size += len(sample)
@@ -133,20 +154,31 @@ class ShardWriter:
         # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
         # The permutation depends on the seed and the number of samples alone, not on what the list holds.
         random.Random(f"{self.seed}/{os.path.basename(self.url.rstrip('/'))}/{self._windows}").shuffle(self._window)
-        for sample in self._window:
-            self._append(sample)
+        self._append(self._window)
         self._window, self._window_size, self._windows = [], 0, self._windows + 1
 
-    def _append(self, sample: bytes) -> None:
-        # Room for the 1 KiB end-of-archive marker and the padding to a whole tar record.
-        if self._tar is not None and self._size + len(sample) + 1024 + tarfile.RECORDSIZE > self.max_bytes:
-            self._finish()
-        if self._tar is None:
-            self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
-            self._tar = open(self._path, "wb")
-        self._tar.write(sample)
-        self._samples += 1
-        self._size += len(sample)
+    def _append(self, samples: list[bytes]) -> None:
+        """Write ``samples`` in order. A shard is finished before a sample that would take it past
+        ``max_bytes`` with the 1 KiB end-of-archive marker and the padding to a whole tar record; a new
+        shard takes its first sample whatever its size. The samples that fit are found by bisecting their
+        running sizes and written in one call: a window holds ~10^5 samples, too many to handle one by one."""
+        room = self.max_bytes - 1024 - tarfile.RECORDSIZE
+        ends = list(itertools.accumulate(map(len, samples)))  # bytes up to and including each sample
+        done = 0
+        while done < len(samples):
+            before = ends[done - 1] if done else 0
+            fit = bisect.bisect_right(ends, room - self._size + before, lo=done) - done
+            if self._tar is None:
+                self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
+                self._tar = open(self._path, "wb")
+                fit = max(fit, 1)
+            elif not fit:
+                self._finish()
+                continue
+            self._tar.writelines(samples[done:done + fit])
+            self._samples += fit
+            self._size += ends[done + fit - 1] - before
+            done += fit
 
     def close(self) -> None:
         """Write what the shuffle window holds and finish the shard being filled; a later ``write``

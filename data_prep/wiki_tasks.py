@@ -17,7 +17,7 @@ from typing import Iterator
 
 from data_prep.dumps import BadIndex, Block, BlockReader, TruncatedDump, skip_reason
 from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
-from data_prep.shards import encode_sample
+from data_prep.shards import encode_members, encode_meta
 from data_prep.wikitext import WikitextCleaner
 
 
@@ -82,11 +82,13 @@ def encode_page(result: PageResult) -> EncodedPage:
     key = f"{result.lang}-{result.page_id}"
     for heading, section_sentences, section_passages in result.sections:
         meta = {"lang": result.lang, "page_id": result.page_id, "title": result.title, "section": heading}
+        sentence_meta = encode_meta(meta)  # the same for every sentence of the section: encoded once
         for sentence in section_sentences:
-            sentences.append(encode_sample(f"{key}-{len(sentences):05d}", sentence, meta))
+            sentences.append(encode_members(f"{key}-{len(sentences):05d}",
+                                            {"json": sentence_meta, "txt": sentence.encode()}))
         for passage in section_passages:
-            passages.append(encode_sample(f"{key}-{len(passages):05d}", passage.text,
-                                          {**meta, "n_chars": len(passage.text)}))
+            passages.append(encode_members(f"{key}-{len(passages):05d}", {
+                "json": encode_meta({**meta, "n_chars": len(passage.text)}), "txt": passage.text.encode()}))
     return EncodedPage(result.lang, result.page_id, sentences, passages, result.stats)
 
 

@@ -20,6 +20,8 @@ from mwparserfromhell.definitions import PARSER_BLACKLIST
 from mwparserfromhell.nodes import (Argument, Comment, ExternalLink, Heading, HTMLEntity, Tag, Template,
                                     Text, Wikilink)
 
+from data_prep.wikitext_scan import BREAK_TAGS, DROP_TAGS, plain_blocks
+
 # Tail sections that hold no prose (matched case-insensitively on the rendered heading).
 TAIL_SECTIONS = frozenset({
     "references", "external links", "see also", "notes", "further reading", "bibliography", "sources",
@@ -32,12 +34,6 @@ TAIL_SECTIONS = frozenset({
     "المراجع", "مراجع", "وصلات خارجية", "انظر أيضا", "انظر أيضًا", "ملاحظات",  # ar
     "הערות שוליים", "קישורים חיצוניים", "ראו גם", "לקריאה נוספת",  # he
 })
-# Tags whose content is not prose: dropped with everything inside.
-_DROP_TAGS = frozenset({"ref", "references", "table", "gallery", "math", "chem", "ce", "score", "timeline",
-                        "imagemap", "graph", "mapframe", "maplink", "syntaxhighlight", "source", "pre", "code",
-                        "templatedata", "templatestyles", "style", "script", "noinclude", "includeonly"})
-# Tags that start a new paragraph: list items / definition lists and block elements.
-_BREAK_TAGS = frozenset({"li", "dt", "dd", "p", "div", "blockquote", "center", "tr", "hr"})
 # Canonical names; localized ones (Datei, Kategorie, …) come from the dump's <siteinfo>.
 MEDIA_PREFIXES = ("file", "image", "media")
 CATEGORY_PREFIXES = ("category",)
@@ -45,21 +41,27 @@ _INTERLANG = re.compile(r"^[a-z]{2,3}(?:-[a-z0-9]+)*$")
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
 _EMPTY_PARENS = re.compile(r"\(\s*[,;:]?\s*\)|\[\s*\]")
 _SPACE_BEFORE_PUNCT = re.compile(r"\s+([,.;:!?)])")
+# Finds the same places from the punctuation side: a character class first lets the regex engine skip
+# to candidates in C, where _SPACE_BEFORE_PUNCT is tried at every space (most of a line's cost).
+_PUNCT_AFTER_SPACE = re.compile(r"[,.;:!?)](?<=\s.)")
 _SPACES = re.compile(r"[ \t\u00a0]+")
 # mwparserfromhell leaves a tag as plain text when its content has unbalanced '' or [ (common in
 # <ref>s). Refs and comments never nest and are never prose, so they are cut before parsing, and
 # any tag that still survives as text is stripped after rendering.
 _PRE_CUT = re.compile(r"<!--.*?(?:-->|$)|<ref\b[^>]*?/>|<ref\b[^>]*?>.*?</ref\s*>", re.DOTALL | re.IGNORECASE)
 _POSSESSIVE = re.compile(r"'''(?=s\b)")  # ''Iliad'''s -> Iliad's
-_BOLD_ITALIC = re.compile(r"'{2,}")
+_BOLD_ITALIC = re.compile(r"''+")
 _LEFTOVER_TAG = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?/?>")
 # prerender's events: runs of braces and of brackets (read as mwparserfromhell reads them:
 # "{{{" opens an argument, "}}}}}" closes an argument and a template), table starts and ends (at a
 # line start, after at most one whitespace character, as the parser requires), and the opening tags
 # of the extension tags whose content the parser takes as plain text, so brackets inside count for nothing.
-_EVENT = re.compile(r"(?P<open_braces>\{\{+)|(?P<close_braces>\}\}+)|(?P<open_link>\[\[+)|(?P<close_link>\]\]+)"
-                    r"|^[^\S\n]?(?:(?P<open_table>\{\|)|(?P<close_table>\|\}))"
-                    r"|<(?P<tag>%s)\b[^<>]*>" % "|".join(PARSER_BLACKLIST), re.MULTILINE | re.IGNORECASE)
+# Every alternative starts with a literal character (a line start is the "\n" before it: the text gets one
+# in front), so that the regex engine skips to the next candidate in C; with "^" or a group first it is
+# tried at every position, 8x slower (wikitext_scan has the same pattern).
+_EVENT = re.compile(r"\{(?P<open_braces>\{+)|\}(?P<close_braces>\}+)|\[(?P<open_link>\[+)|\](?P<close_link>\]+)"
+                    r"|\n[^\S\n]?(?:(?P<open_table>\{\|)|(?P<close_table>\|\}))"
+                    r"|<(?P<tag>(?i:%s))\b[^<>]*>" % "|".join(PARSER_BLACKLIST))
 _CLOSE_TAG = {name: re.compile(rf"</{name}\s*>", re.IGNORECASE) for name in PARSER_BLACKLIST}
 # A link title the parser accepts (no newline, brackets or angle brackets), with no template in it.
 _LINK_TITLE = re.compile(r"[^\n\[\]{}<>|]*(?=\||\]\])")
@@ -90,32 +92,41 @@ class WikitextCleaner:
 
     def sections(self, wikitext: str) -> list[Section]:
         """Split at headings (any level), render each section, drop tail sections and their children."""
-        code = mwparserfromhell.parse(prerender(_PRE_CUT.sub("", wikitext), self._dropped_links))
+        text = prerender(_PRE_CUT.sub("", wikitext), self._dropped_links)
+        blocks = plain_blocks(text, self.link)  # most pages need no parser (wikitext_scan)
+        sections = self._sections(blocks) if blocks is not None else None
+        return sections if sections is not None else self._sections(self._tree_blocks(text))
+
+    def _sections(self, blocks: list[tuple[int, str, str, bool]]) -> list[Section] | None:
+        """The kept sections of rendered blocks; None if a kept block needs the parser (``plain_blocks``)."""
         out: list[Section] = []
         path: list[tuple[int, str]] = []  # (level, title) of the enclosing headings
         skip_below: int | None = None  # inside a tail section of this level
-        nodes: list = []
-
-        def flush() -> None:
+        for level, title, body, needs_parser in blocks:
+            if level:
+                title = _clean_line(title)
+                path = [(lvl, t) for lvl, t in path if lvl < level] + [(level, title)]
+                if skip_below is not None and level <= skip_below:
+                    skip_below = None
+                if skip_below is None and title.lower().rstrip(":") in TAIL_SECTIONS:
+                    skip_below = level
             if skip_below is None:
-                paragraphs = self._paragraphs(self.render(nodes))
+                if needs_parser:
+                    return None
+                paragraphs = self._paragraphs(body)
                 if paragraphs:
                     out.append(Section(" > ".join(t for _, t in path), paragraphs))
-            nodes.clear()
-
-        for node in code.nodes:
-            if not isinstance(node, Heading):
-                nodes.append(node)
-                continue
-            flush()
-            title = _clean_line(self.render(node.title.nodes))
-            path = [(lvl, t) for lvl, t in path if lvl < node.level] + [(node.level, title)]
-            if skip_below is not None and node.level <= skip_below:
-                skip_below = None
-            if skip_below is None and title.lower().rstrip(":") in TAIL_SECTIONS:
-                skip_below = node.level
-        flush()
         return out
+
+    def _tree_blocks(self, text: str) -> list[tuple[int, str, str, bool]]:
+        """(heading level, title, body) for the lead (level 0) and each section, rendered from the parser's tree."""
+        blocks: list[tuple[int, str, list]] = [(0, "", [])]
+        for node in mwparserfromhell.parse(text).nodes:
+            if isinstance(node, Heading):
+                blocks.append((node.level, self.render(node.title.nodes), []))
+            else:
+                blocks[-1][2].append(node)
+        return [(level, title, self.render(nodes), False) for level, title, nodes in blocks]
 
     def render(self, nodes) -> str:
         parts: list[str] = []
@@ -137,25 +148,29 @@ class WikitextCleaner:
         return "".join(parts)
 
     def _wikilink(self, link: Wikilink) -> str:
-        target = str(link.title).replace(_DROPPED, "").strip()  # a template in the title was cut out
+        return self.link(str(link.title), self.render(link.text.nodes) if link.text is not None else None)
+
+    def link(self, title: str, label: str | None) -> str:
+        """What a wikilink renders as, given its title and its rendered label (None: no "|")."""
+        target = title.replace(_DROPPED, "").strip()  # a template in the title was cut out
         prefix = target.split(":", 1)[0].strip().lower() if ":" in target else ""
         if not target.startswith(":"):
             if prefix in self.media_prefixes or prefix in self.category_prefixes:
                 return ""
-            if _INTERLANG.match(prefix) and link.text is None:
+            if _INTERLANG.match(prefix) and label is None:
                 return ""  # [[de:Foo]] is an interlanguage link, not rendered in the text
-        if link.text is not None:
-            return self.render(link.text.nodes)
+        if label is not None:
+            return label
         return _link_text(target)
 
     def _tag(self, tag: Tag) -> str:
         name = str(tag.tag).strip().lower()
-        if name in _DROP_TAGS:
+        if name in DROP_TAGS:
             return ""
         if name == "br":
             return " "
         inner = self.render(tag.contents.nodes) if tag.contents is not None else ""
-        return f"\n\n{inner}" if name in _BREAK_TAGS else inner
+        return f"\n\n{inner}" if name in BREAK_TAGS else inner
 
     @staticmethod
     def _paragraphs(text: str) -> list[str]:
@@ -168,7 +183,7 @@ def prerender(text: str, link_prefixes: frozenset[str]) -> str:
     """``text`` with what ``WikitextCleaner`` renders as nothing cut out and plain links replaced by their text.
 
     Cut, with everything inside them: templates and arguments, tables, links whose namespace prefix
-    (lower case) is in ``link_prefixes``, and the non-prose extension tags of ``_DROP_TAGS``; each
+    (lower case) is in ``link_prefixes``, and the non-prose extension tags of ``DROP_TAGS``; each
     leaves ``_DROPPED`` in its place. Plain links (``_PLAIN_LINK``) become the text they render as.
     One pass over the text with a stack of open constructs, nested as mwparserfromhell nests them: a
     closer closes the innermost open construct when it is of its kind, and is text otherwise. An
@@ -178,10 +193,12 @@ def prerender(text: str, link_prefixes: frozenset[str]) -> str:
     stack: list[list[int]] = []  # [kind, start, braces still open] of the open constructs, innermost last
     cuts: list[tuple[int, int, str]] = []  # (start, end, replacement) of closed constructs; nested ones too
     closing_tags: dict[str, re.Match | None] = {}  # next closing tag of each extension tag; None: no more
+    text = "\n" + text  # a line start before the first line too; cut off again at the end
     pos = 0
     while (event := _EVENT.search(text, pos)) is not None:
         kind = event.lastgroup
-        start, pos = event.span(kind)
+        # A run of braces or brackets is the whole match; a table's "{|" or "|}", or a tag's name, its group.
+        start, pos = event.span(kind) if kind in ("open_table", "close_table", "tag") else event.span()
         if kind == "open_braces":
             stack.append([_BRACES, start, pos - start])
         elif kind == "close_braces":
@@ -197,7 +214,7 @@ def prerender(text: str, link_prefixes: frozenset[str]) -> str:
         elif kind == "open_link":
             plain = _PLAIN_LINK.match(text, start) if pos - start == 2 else None
             # After "<" or "&", the label could make a tag or an entity of what follows the link.
-            if plain is not None and (start == 0 or text[start - 1] not in "<&"):
+            if plain is not None and text[start - 1] not in "<&":
                 target, label = plain.groups()
                 cuts.append((start, plain.end(), label if label is not None else _link_text(target.strip())))
                 pos = plain.end()
@@ -232,7 +249,7 @@ def prerender(text: str, link_prefixes: frozenset[str]) -> str:
                 found = closing_tags[name] = _CLOSE_TAG[name].search(text, pos)
             if found is None:  # never closed: the parser takes the opening tag as text and reads on
                 continue
-            if name in _DROP_TAGS:
+            if name in DROP_TAGS:
                 cuts.append((event.start(), found.end(), _DROPPED))
             pos = found.end()
     if stack:
@@ -243,7 +260,7 @@ def prerender(text: str, link_prefixes: frozenset[str]) -> str:
             parts += (text[end:cut_start], replacement)
             end = cut_end
     parts.append(text[end:])
-    return "".join(parts)
+    return "".join(parts)[1:]
 
 
 def _link_text(target: str) -> str:
@@ -254,8 +271,17 @@ def _link_text(target: str) -> str:
 def _clean_line(text: str) -> str:
     # Entities and '' / ''' quote marks inside constructs the parser gave up on are still raw text.
     text = html.unescape(_BOLD_ITALIC.sub("", _POSSESSIVE.sub("'", text)))
-    text = _SPACES.sub(" ", text.replace("\n", " "))
+    text = _collapse_spaces(text.replace("\n", " "))
     # Removed templates/refs leave "( )" or "(; )" and spaces before punctuation behind.
     text = _EMPTY_PARENS.sub("", text)
-    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
-    return _SPACES.sub(" ", text).strip()
+    if _PUNCT_AFTER_SPACE.search(text):
+        text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+    return _collapse_spaces(text).strip()
+
+
+def _collapse_spaces(text: str) -> str:
+    """Runs of spaces, tabs and no-break spaces as one space. Most lines hold single spaces only, which
+    the regex would find one by one and replace by themselves."""
+    if "  " in text or "\t" in text or "\u00a0" in text:
+        return _SPACES.sub(" ", text)
+    return text
