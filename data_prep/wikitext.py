@@ -119,7 +119,7 @@ class WikitextCleaner:
         return out
 
     def _tree_blocks(self, text: str) -> list[tuple[int, str, str, bool]]:
-        """(heading level, title, body) for the lead (level 0) and each section, rendered from the parser's tree."""
+        """``plain_blocks``'s blocks rendered from the parser's tree (none of them needs the parser again)."""
         blocks: list[tuple[int, str, list]] = [(0, "", [])]
         for node in mwparserfromhell.parse(text).nodes:
             if isinstance(node, Heading):

@@ -41,7 +41,7 @@ _BARE_SCHEMES = tuple(s for s, slashes in URI_SCHEMES.items() if not slashes)
 _ALL_SCHEMES = tuple(s + ":" for s in URI_SCHEMES)
 # Left to the parser wherever they occur: "[[[" and "]]]", and what is left of templates and tables that
 # never closed.
-_NEEDS_PARSER = ("[[[", "]]]", "{{", "{|")
+_PAGE_NEEDS_PARSER = ("[[[", "]]]", "{{", "{|")
 # Every alternative starts with a literal character, so that the regex engine skips from one of those
 # characters to the next in C (a pattern whose alternatives start otherwise, e.g. with "^" or a group,
 # is tried at every position: 5x slower on the bundled dump). Line starts are "\n" (the text gets one
@@ -65,7 +65,7 @@ LinkRenderer = Callable[[str, "str | None"], str]
 _BREAK = "\n\n"  # what a list item, definition or horizontal rule renders as (WikitextCleaner._tag)
 
 
-def needs_parser(text: str) -> bool:
+def block_needs_parser(text: str) -> bool:
     """Whether a block's raw ``text`` holds what the scan reads otherwise than the parser: definition
     lines (";"), and URLs outside brackets (the parser links them, and where such a link ends is its
     call) or with a scheme that takes no "//" (mailto:, news:, …). URLs are found by the scheme before
@@ -83,6 +83,9 @@ def needs_parser(text: str) -> bool:
                 return True
         position = text.find(":", position + 1)
     return False
+
+
+_QUOTE_KINDS = {2: "i", 3: "b"}  # italic and bold runs; 5 opens or closes both
 
 
 class _GiveUp(Exception):
@@ -111,7 +114,7 @@ class _Formatting:
             else:
                 raise _GiveUp
             return
-        kind = {2: "i", 3: "b"}.get(run)
+        kind = _QUOTE_KINDS.get(run)
         if kind is None:
             raise _GiveUp  # 4 or 6+ quotes: the parser keeps some of them as apostrophes
         if open_ and open_[-1] == kind:
@@ -254,11 +257,11 @@ def _entity(token: re.Match) -> str:
 def plain_blocks(text: str, link: LinkRenderer) -> list[tuple[int, str, str, bool]] | None:
     """(heading level, title, body, needs the parser) for the lead (level 0, title "") and each section,
     rendered as the tree renders them; None when the page needs the parser. A block that "needs the
-    parser" holds what only the parser reads right (``needs_parser``) but nothing that changes how the
+    parser" holds what only the parser reads right (``block_needs_parser``) but nothing that changes how the
     rest of the page is read: the page needs the parser only if that block is kept (not a tail section,
     whose text is dropped anyway: that is where most URLs are). ``link(title, rendered label or None)``
     renders a wikilink, as for the tree."""
-    if any(marker in text for marker in _NEEDS_PARSER):
+    if any(marker in text for marker in _PAGE_NEEDS_PARSER):
         return None
     text = "\n" + text
     # level, title, body, raw start (then raw text); the lead's body keeps the "\n" put in front (it
@@ -272,4 +275,4 @@ def plain_blocks(text: str, link: LinkRenderer) -> list[tuple[int, str, str, boo
     if not formatting.closed():
         return None
     blocks[-1][2:4] = rest, text[blocks[-1][3]:]
-    return [(level, title, body, needs_parser(raw)) for level, title, body, raw in blocks]
+    return [(level, title, body, block_needs_parser(raw)) for level, title, body, raw in blocks]

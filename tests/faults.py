@@ -153,6 +153,13 @@ def complete_checkpoint(run_url: str, step: int) -> bool:
     return storage.exists(storage.join(run_url, "checkpoints", f"step-{step:08d}", "COMPLETE"))
 
 
+def sample_keys(run_dir: Path) -> dict[str, list[str]]:
+    """Each rank's consumed sample keys in order (``train.log_sample_keys``: its per-checkpoint files,
+    concatenated by step), by rank folder name (``rank-00000``, …)."""
+    return {rank.name: [key for part in sorted(rank.glob("step-*.txt")) for key in part.read_text().split()]
+            for rank in sorted((run_dir / "sample_keys").iterdir())}
+
+
 def flip_a_byte(url: str) -> None:
     """Damage a stored file at rest, as a bad disk or a stray write would: one bit of its middle byte."""
     data = bytearray(storage.read_bytes(url))

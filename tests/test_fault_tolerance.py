@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from clsys import storage
-from faults import Run, RunResult, complete_checkpoint, flip_a_byte, partial_checkpoint, two_node_cluster
+from faults import (Run, RunResult, complete_checkpoint, flip_a_byte, partial_checkpoint, sample_keys,
+                    two_node_cluster)
 from test_pretrain import SAMPLE, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("shared_ray")]
@@ -54,12 +55,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def sample_key_files(run_dir: Path) -> list[str]:
     return [str(p.relative_to(run_dir / "sample_keys")) for p in sorted((run_dir / "sample_keys").rglob("*.txt"))]
-
-
-def sample_keys(run_dir: Path) -> dict[str, list[str]]:
-    """Each rank's consumed sample keys in order (its per-checkpoint files, concatenated by step)."""
-    return {rank.name: [key for part in sorted(rank.glob("step-*.txt")) for key in part.read_text().split()]
-            for rank in sorted((run_dir / "sample_keys").iterdir())}
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

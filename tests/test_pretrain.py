@@ -20,7 +20,7 @@ import yaml
 from clsys import storage
 from clsys.config import load_config
 from clsys.engine.checkpoint import complete_checkpoints
-from faults import Run
+from faults import Run, sample_keys
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = sorted((REPO / "data_prep" / "samples").glob("*.bz2"))
@@ -384,9 +384,9 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
     cfg = load_config("quickstart", overrides)
 
     # The global batch of step s: each rank's micro-batch of that step, in rank order (train.log_sample_keys).
-    keys = [[key for f in sorted((tmp_path / "equal" / "sample_keys" / f"rank-{r:05d}").iterdir())
-             for key in f.read_text().split()] for r in range(2)]
-    batches = [keys[0][s * 8:(s + 1) * 8] + keys[1][s * 8:(s + 1) * 8] for s in range(4)]
+    micro = cfg.micro_batch
+    batches = [[key for keys in sample_keys(tmp_path / "equal").values() for key in keys[s * micro:(s + 1) * micro]]
+               for s in range(cfg.train.steps)]
     text = {s["__key__"]: s["txt"] for shard in load_shards(storage.join(local_shards, "sentences"))
             for s in read_shard(shard)}
 
@@ -406,7 +406,8 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
                            return_tensors="pt")
         z = torch.nn.functional.normalize(mlp(model(**inputs).last_hidden_state[:, 0]), dim=-1)
         view1, view2 = z.chunk(2)
-        loss = torch.nn.functional.cross_entropy(view1 @ view2.T / cfg.objective.temperature, torch.arange(16))
+        loss = torch.nn.functional.cross_entropy(view1 @ view2.T / cfg.objective.temperature,
+                                                 torch.arange(len(batch)))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
