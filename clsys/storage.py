@@ -253,19 +253,53 @@ def write_file(url: str, fill) -> None:
     """Write the local file of ``url`` (file:// or a path) atomically: ``fill(f)`` writes a temporary file
     beside it, which is flushed to disk and renamed over it. A failure (a full disk, a read-only mount)
     removes the temporary file, leaves the old file as it was and raises StorageError naming ``url``."""
-    path = parse(url).path
-    tmp = f"{path}.tmp-{os.getpid()}"
+    staged = staging_path(url, "")
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(staged, "wb") as f:
             fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        discard_staged(staged)
         raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
+    publish_staged(staged, url)
+
+
+def staging_path(url: str, tmp_dir: str) -> str:
+    """Where to build a file bound for ``url`` before ``publish_staged`` puts it there: beside the
+    destination when it is local (publishing is then a rename: the bytes are written once), else in
+    ``tmp_dir`` (publishing uploads it)."""
+    loc = parse(url)
+    if loc.scheme != "file":
+        return os.path.join(tmp_dir, f"{os.path.basename(loc.path)}.tmp-{os.getpid()}")
+    try:
+        os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+    except OSError as err:
+        raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
+    return f"{loc.path}.tmp-{os.getpid()}"
+
+
+def publish_staged(staged: str, url: str) -> None:
+    """Put the closed file ``staged`` (from ``staging_path(url, ...)``) at ``url`` atomically: a local file
+    is flushed to disk and renamed over the destination, a remote one uploaded; the staged file is gone
+    afterwards, also on failure (StorageError naming ``url``; the old object is left as it was)."""
+    try:
+        if parse(url).scheme != "file":
+            upload_file(staged, url)
+            return
+        fd = os.open(staged, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(staged, parse(url).path)
+    except OSError as err:
+        raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
+    finally:
+        discard_staged(staged)
+
+
+def discard_staged(staged: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(staged)
 
 
 @contextlib.contextmanager

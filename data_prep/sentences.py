@@ -37,6 +37,12 @@ class Passage:
 
 def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
     """Sentences of one paragraph that pass the length filters; rejects are counted in ``stats``."""
+    return [sentence for sentence, _ in counted_sentences(lang, text, stats)]
+
+
+def counted_sentences(lang: str, text: str, stats: SplitStats) -> list[tuple[str, int]]:
+    """``split_sentences`` with each sentence's ``count_words``, which the length filter needs anyway and
+    ``pack_passages`` takes: counted once per sentence, not twice."""
     out = []
     for sentence in segment(lang, text):
         sentence = sentence.strip()
@@ -44,18 +50,24 @@ def split_sentences(lang: str, text: str, stats: SplitStats) -> list[str]:
             continue
         if len(sentence) > MAX_CHARS:
             stats.too_long += 1
-        elif len(sentence) + _cjk_chars(sentence) < MIN_CHARS or count_words(sentence) < MIN_WORDS:
+            continue
+        cjk = _cjk_chars(sentence)
+        words = _words(sentence, cjk)
+        if len(sentence) + cjk < MIN_CHARS or words < MIN_WORDS:
             stats.too_short += 1
         elif any(m in sentence for m in MARKUP):
             stats.markup += 1
         else:
-            out.append(sentence)
+            out.append((sentence, words))
     return out
 
 
 def count_words(text: str) -> int:
     """Whitespace-separated words, each Chinese or Japanese character counted as one (``_CJK``)."""
-    cjk = _cjk_chars(text)
+    return _words(text, _cjk_chars(text))
+
+
+def _words(text: str, cjk: int) -> int:
     return len(_CJK.sub(" ", text).split()) + cjk if cjk else len(text.split())
 
 
@@ -64,16 +76,16 @@ def _cjk_chars(text: str) -> int:
     return 0 if text.isascii() or not _CJK.search(text) else len(_CJK.findall(text))
 
 
-def pack_passages(sentences: list[str], max_words: int) -> list[Passage]:
-    """Greedily pack consecutive whole sentences into passages of at most ``max_words`` words.
+def pack_passages(sentences: list[tuple[str, int]], max_words: int) -> list[Passage]:
+    """Greedily pack consecutive whole sentences (each with its ``count_words``, as ``counted_sentences``
+    gives them) into passages of at most ``max_words`` words.
 
     A sentence is never cut: one longer than the budget becomes a passage on its own.
     """
     passages: list[Passage] = []
     current: list[str] = []
     words = 0
-    for sentence in sentences:
-        n = count_words(sentence)
+    for sentence, n in sentences:
         if current and words + n > max_words:
             passages.append(Passage(" ".join(current), words))
             current, words = [], 0

@@ -14,6 +14,7 @@ concatenates them (``ShardWriter.write_encoded``) instead of building every head
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import json
@@ -22,7 +23,7 @@ import random
 import sys
 import tarfile
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 from clsys import storage
 from clsys.storage import StorageError
@@ -53,6 +54,9 @@ _FIXED_SUM = sum(_MODE_IDS) + sum(_MTIME) + sum(b" " * 8) + ord("0") + sum(_MAGI
 # devices or prefix.
 _TAIL = b"0" + bytes(100) + _MAGIC + bytes(247)
 _ZEROS = bytes(512)
+# Samples are written (and hashed) in runs of this many: one call per sample costs more in Python than
+# the copy, and one run for a whole shard would allocate (and fault in) its size in fresh memory.
+_SAMPLES_PER_WRITE = 256
 
 
 def ustar_header(name: str, size: int) -> bytes:
@@ -97,8 +101,9 @@ def encode_sample(key: str, text: str, meta: dict, extra: dict[str, bytes] | Non
 class ShardWriter:
     """Writes samples (``key`` + ``txt`` + ``json``, plus any ``extra`` members) into rolling tar shards under ``url``.
 
-    Shards are built in ``tmp_dir`` and uploaded as soon as they are full; ``previous`` maps shard
-    names to the sha256 the existing manifest lists, to skip re-uploading identical shards.
+    A shard is built beside its destination when that is local (and renamed into place when full), else
+    in ``tmp_dir`` (and uploaded when full), and hashed as it is written; ``previous`` maps shard names
+    to the sha256 the existing manifest lists, to skip re-uploading identical shards.
 
     ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar) have come,
     then written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
@@ -107,8 +112,8 @@ class ShardWriter:
     loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
     would give it. The order depends on the samples and the seed alone: re-runs reproduce every shard.
 
-    ``write_encoded`` takes a sample ``encode_sample`` already made (elsewhere, e.g. in a worker process):
-    the same bytes, window and order as ``write`` with the sample's fields.
+    ``write_encoded`` takes samples ``encode_sample`` already made (elsewhere, e.g. in a worker process):
+    the same bytes, windows and order as ``write`` with each sample's fields.
     """
 
     url: str
@@ -120,9 +125,10 @@ class ShardWriter:
     shards: list[ShardInfo] = field(default_factory=list, init=False)
     uploaded: int = field(default=0, init=False)
     unchanged: int = field(default=0, init=False)
-    # The shard being filled: open tar in tmp_dir, its samples and (estimated) bytes.
+    # The shard being filled: its open tar at the staging path, sha256 so far, samples and bytes.
     _tar: BinaryIO | None = field(default=None, init=False, repr=False)
     _path: str = field(default="", init=False, repr=False)
+    _sha: Any = field(default=None, init=False, repr=False)
     _samples: int = field(default=0, init=False, repr=False)
     _size: int = field(default=0, init=False, repr=False)
     _old_manifest_removed: bool = field(default=False, init=False, repr=False)
@@ -138,17 +144,24 @@ class ShardWriter:
 
     def write(self, key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> None:
         """One sample; ``extra`` maps further member extensions to their bytes (``ids``: pre-tokenized)."""
-        self.write_encoded(encode_sample(key, text, meta, extra))
+        self.write_encoded([encode_sample(key, text, meta, extra)])
 
-    def write_encoded(self, sample: bytes) -> None:
-        """One sample as ``encode_sample`` returns it."""
+    def write_encoded(self, samples: list[bytes]) -> None:
+        """Samples as ``encode_sample`` returns them, in order (an article's: a call per article, not per
+        sample). A window is written out right after the sample that brings it to ``shuffle_window`` bytes."""
         if not self.shuffle_window:
-            self._append([sample])
+            self._append(samples)
             return
-        self._window.append(sample)
-        self._window_size += len(sample)
-        if self._window_size >= self.shuffle_window:
-            self._write_window()
+        size = sum(map(len, samples))
+        if self._window_size + size < self.shuffle_window:  # nearly always: the window is not full yet
+            self._window += samples
+            self._window_size += size
+            return
+        for sample in samples:
+            self._window.append(sample)
+            self._window_size += len(sample)
+            if self._window_size >= self.shuffle_window:
+                self._write_window()
 
     def _write_window(self) -> None:
         # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
@@ -161,7 +174,7 @@ class ShardWriter:
         """Write ``samples`` in order. A shard is finished before a sample that would take it past
         ``max_bytes`` with the 1 KiB end-of-archive marker and the padding to a whole tar record; a new
         shard takes its first sample whatever its size. The samples that fit are found by bisecting their
-        running sizes and written in one call: a window holds ~10^5 samples, too many to handle one by one."""
+        running sizes and written in runs: a window holds ~10^5 samples, too many to handle one by one."""
         room = self.max_bytes - 1024 - tarfile.RECORDSIZE
         ends = list(itertools.accumulate(map(len, samples)))  # bytes up to and including each sample
         done = 0
@@ -169,13 +182,17 @@ class ShardWriter:
             before = ends[done - 1] if done else 0
             fit = bisect.bisect_right(ends, room - self._size + before, lo=done) - done
             if self._tar is None:
-                self._path = os.path.join(self.tmp_dir, f"{os.path.basename(self.url)}-{len(self.shards):06d}.tar")
-                self._tar = open(self._path, "wb")
+                self._path = storage.staging_path(self._shard_url(), self.tmp_dir)
+                try:
+                    self._tar, self._sha = open(self._path, "wb"), hashlib.sha256()
+                except OSError as err:
+                    self._fail(err)
                 fit = max(fit, 1)
             elif not fit:
                 self._finish()
                 continue
-            self._tar.writelines(samples[done:done + fit])
+            for start in range(done, done + fit, _SAMPLES_PER_WRITE):
+                self._write(b"".join(samples[start:min(start + _SAMPLES_PER_WRITE, done + fit)]))
             self._samples += fit
             self._size += ends[done + fit - 1] - before
             done += fit
@@ -188,28 +205,49 @@ class ShardWriter:
         if self._tar is not None:
             self._finish()
 
+    def _shard_url(self) -> str:
+        return storage.join(self.url, f"shard-{len(self.shards):06d}.tar")
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._tar.write(data)
+        except OSError as err:
+            self._fail(err)
+        self._sha.update(data)
+
+    def _fail(self, err: OSError) -> NoReturn:
+        """Writing the staged shard failed (a full disk): it is removed and the error names the shard."""
+        if self._tar is not None:
+            with contextlib.suppress(OSError):
+                self._tar.close()
+        storage.discard_staged(self._path)
+        self._tar = self._sha = None
+        self._samples = self._size = 0
+        where = "" if storage.is_local(self.url) else \
+            f" (shards are built in {self.tmp_dir} before the upload: set TMPDIR to a disk with room)"
+        raise StorageError(f"{self._shard_url()}: writing failed: {err.strerror or err}{where}") from None
+
     def _finish(self) -> None:
         # End of archive as tarfile writes it: two zero blocks, then zeros up to a whole record.
         self._size += 1024
-        self._tar.write(bytes(1024 + -self._size % tarfile.RECORDSIZE))
-        self._tar.close()
-        name = f"shard-{len(self.shards):06d}.tar"
-        sha = hashlib.sha256()
-        with open(self._path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                sha.update(block)
-        info = ShardInfo(name=name, samples=self._samples, bytes=os.path.getsize(self._path), sha256=sha.hexdigest())
-        dest = storage.join(self.url, name)
-        if self.previous.get(name) == info.sha256 and storage.exists(dest):
+        self._write(bytes(1024 + -self._size % tarfile.RECORDSIZE))
+        try:
+            self._tar.close()
+        except OSError as err:
+            self._fail(err)
+        dest = self._shard_url()
+        info = ShardInfo(name=dest.rsplit("/", 1)[-1], samples=self._samples, bytes=os.path.getsize(self._path),
+                         sha256=self._sha.hexdigest())
+        if self.previous.get(info.name) == info.sha256 and storage.exists(dest):
             self.unchanged += 1
+            storage.discard_staged(self._path)
             print(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped", file=sys.stderr)
         else:
             self._remove_old_manifest()
-            storage.upload_file(self._path, dest)
+            storage.publish_staged(self._path, dest)
             self.uploaded += 1
-        os.remove(self._path)
         self.shards.append(info)
-        self._tar, self._samples, self._size = None, 0, 0
+        self._tar, self._sha, self._samples, self._size = None, None, 0, 0
 
     def _remove_old_manifest(self) -> None:
         """Before the first changed shard lands, the old manifest stops describing the folder."""

@@ -197,10 +197,8 @@ class WikiJob:
         if not page.sentences:
             counts.skipped["empty"] += 1
             return
-        for stream, samples in (("sentences", page.sentences), ("documents", page.passages)):
-            write = streams[stream].write_encoded
-            for sample in samples:
-                write(sample)
+        streams["sentences"].write_encoded(page.sentences)
+        streams["documents"].write_encoded(page.passages)
         counts.sentences += len(page.sentences)
         counts.passages += len(page.passages)
 

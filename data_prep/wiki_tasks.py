@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from data_prep.dumps import BadIndex, Block, BlockReader, TruncatedDump, skip_reason
-from data_prep.sentences import Passage, SplitStats, pack_passages, split_sentences
+from data_prep.sentences import Passage, SplitStats, counted_sentences, pack_passages
 from data_prep.shards import encode_members, encode_meta
 from data_prep.wikitext import WikitextCleaner
 
@@ -68,9 +68,10 @@ def process_page(task: PageTask) -> PageResult:
     stats = SplitStats()
     sections = []
     for section in _cleaner(task.media_prefixes, task.category_prefixes).sections(task.text):
-        sentences = [s for p in section.paragraphs for s in split_sentences(task.lang, p, stats)]
-        if sentences:
-            sections.append((section.heading, sentences, pack_passages(sentences, task.passage_words)))
+        counted = [c for p in section.paragraphs for c in counted_sentences(task.lang, p, stats)]
+        if counted:
+            sections.append((section.heading, [sentence for sentence, _ in counted],
+                             pack_passages(counted, task.passage_words)))
     return PageResult(task.lang, task.page_id, task.title, sections, stats)
 
 

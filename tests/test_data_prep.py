@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bz2
 import html
+import itertools
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from clsys import storage
-from data_prep.sentences import SplitStats, pack_passages, split_sentences
+from data_prep.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
 from data_prep.shards import read_manifest
 from data_prep.dumps import SiteInfo
 from data_prep.wikitext import WikitextCleaner
@@ -110,9 +111,14 @@ def test_sentences_filter_and_passages():
     sentences = split_sentences("en", "Dr. Smith went to Washington on Monday. Yes. " + "word " * 300 + ".", stats)
     assert sentences == ["Dr. Smith went to Washington on Monday."]
     assert (stats.too_short, stats.too_long) == (1, 1)
-    passages = pack_passages(["one two three.", "four five.", "six seven eight nine."], max_words=5)
+    sentences = ["one two three.", "four five.", "six seven eight nine."]
+    passages = pack_passages([(s, count_words(s)) for s in sentences], max_words=5)
     assert [p.text for p in passages] == ["one two three. four five.", "six seven eight nine."]
-    assert pack_passages(["a b c d e f g."], max_words=3)[0].n_words == 7  # never cut a sentence
+    assert [p.n_words for p in passages] == [5, 4]
+    assert pack_passages([("a b c d e f g.", 7)], max_words=3)[0].n_words == 7  # never cut a sentence
+    text = "Dr. Smith went to Washington on Monday. Tiny. 北京是中华人民共和国的首都。"
+    counted = counted_sentences("zh", text, SplitStats())
+    assert counted == [(s, count_words(s)) for s in split_sentences("zh", text, SplitStats())] and len(counted) == 2
 
 
 @pytest.fixture(scope="module")
@@ -456,8 +462,9 @@ def test_multistream_wrong_index(kind, multistream, tmp_path):
 
 
 def test_encoded_samples_write_the_same_shards(tmp_path):
-    """A sample encoded elsewhere (encode_sample, as data_prep wiki's workers do) and handed to write_encoded
-    gives the bytes, shuffle order and shard roll-over of ShardWriter.write with its fields."""
+    """Samples encoded elsewhere (encode_sample, as data_prep wiki's workers do) and handed to write_encoded in
+    runs (an article's, here 1 to 17 samples, some across a window's end) give the bytes, shuffle order and
+    shard roll-over of ShardWriter.write with each sample's fields."""
     from data_prep.shards import ShardWriter, encode_sample
 
     samples = [(f"en-{i}-{i % 7:05d}", "Satz é " * (i % 50), {"title": "Ü" * (i % 5), "page_id": i},
@@ -465,11 +472,14 @@ def test_encoded_samples_write_the_same_shards(tmp_path):
     shards = {}
     for how in ("write", "write_encoded"):
         writer = ShardWriter(str(tmp_path / how / "s"), str(tmp_path), 60_000, shuffle_window=100_000, seed=5)
-        for key, text, meta, extra in samples:
-            if how == "write":
+        if how == "write":
+            for key, text, meta, extra in samples:
                 writer.write(key, text, meta, extra)
-            else:
-                writer.write_encoded(encode_sample(key, text, meta, extra))
+        else:
+            encoded = [encode_sample(*sample) for sample in samples]
+            starts = list(itertools.accumulate(i % 17 + 1 for i in range(300)))
+            for start, end in zip([0] + starts, starts):
+                writer.write_encoded(encoded[start:end])
         writer.close()
         assert len(writer.shards) > 3 and writer.samples == 300
         shards[how] = [(p.name, p.read_bytes()) for p in sorted((tmp_path / how / "s").iterdir())]
