@@ -14,6 +14,7 @@ MAX_CHARS = 1000
 # Wiki markup that survived cleaning (mwparserfromhell gives up on some malformed constructs):
 # such a sentence is debris, not prose.
 MARKUP = ("[[", "]]", "{{", "}}", "|")  # a pipe in prose is nearly always table/template debris
+_MARKUP = re.compile("|".join(map(re.escape, MARKUP)))  # one search: half the time of five substring tests
 # Chinese and Japanese put no spaces between words, so whitespace would see one "word" a sentence and
 # drop them all as too short. Each Han or kana character counts as a word instead (as BERT-style
 # tokenizers split them; a passage budget of 200 words is then ~200 characters) and as two characters
@@ -55,7 +56,7 @@ def counted_sentences(lang: str, text: str, stats: SplitStats) -> list[tuple[str
         words = _words(sentence, cjk)
         if len(sentence) + cjk < MIN_CHARS or words < MIN_WORDS:
             stats.too_short += 1
-        elif any(m in sentence for m in MARKUP):
+        elif _MARKUP.search(sentence):
             stats.markup += 1
         else:
             out.append((sentence, words))
