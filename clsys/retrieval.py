@@ -218,11 +218,12 @@ def rerank(scores: torch.Tensor, queries: list[str], documents: list[str], reran
     return merged.scatter(1, best, new - new.amin(1, keepdim=True) + floor + 1)
 
 
-def hf_reranker(folder: str, max_length: int = 512, batch_size: int = 32) -> Reranker:
+def hf_reranker(folder: str, max_length: int | None = None, batch_size: int = 32) -> Reranker:
     """A cross-encoder: the 2-label ``AutoModelForSequenceClassification`` and tokenizer in ``folder``.
 
-    A pair is tokenized as ``tokenizer(query, document, truncation="longest_first")``; its score is the
-    raw logit of label 1 ("relevant"), which is what the original CLIR code ranks by.
+    A pair is tokenized as ``tokenizer(query, document, truncation="longest_first")`` to at most
+    ``max_length`` tokens (default: 512, or the model's position limit where that is less); its score is
+    the raw logit of label 1 ("relevant"), which is what the original CLIR code ranks by.
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -230,6 +231,7 @@ def hf_reranker(folder: str, max_length: int = 512, batch_size: int = 32) -> Rer
     if model.config.num_labels != 2:
         raise ValueError(f"{folder}: a reranker has 2 labels (irrelevant, relevant), not {model.config.num_labels}")
     tokenizer = load_tokenizer(folder)
+    max_length = max_length or min(512, model.config.max_position_embeddings)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).eval()
 

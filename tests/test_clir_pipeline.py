@@ -12,7 +12,7 @@ FIXTURES = REPO / "tests" / "data" / "clir"
 pytestmark = pytest.mark.slow
 
 
-def test_clir_recipe_on_aligned_fixture_shards(tmp_path):
+def test_clir_recipe_on_aligned_fixture_shards(tiny_bert_with_heads, tmp_path):
     shards = tmp_path / "shards"
     dumps = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-pages-articles.xml.bz2'}" for lang in ("en", "de", "es")]
     links = [f"{lang}={FIXTURES / f'{lang}wiki-20261101-langlinks.sql.gz'}" for lang in ("en", "de")]
@@ -21,7 +21,7 @@ def test_clir_recipe_on_aligned_fixture_shards(tmp_path):
 
     runs = tmp_path / "runs"
     proc = run("-m", "clsys.pretrain", "--config", "clir", f"data.url={shards}", f"train.run_root={runs}",
-               "train.steps=4", "train.log_every=1", "train.ckpt_every=4", "train.batch_size=4",
+               f"model.name={tiny_bert_with_heads}", "train.steps=4", "train.log_every=1", "train.ckpt_every=4", "train.batch_size=4",
                "data.max_length=96", "eval.every=4", "eval.xling=[en-de]", "eval.xling_articles=44:48",
                "eval.tatoeba=[]", "eval.rerank_top=3")
     assert proc.returncode == 0

@@ -113,12 +113,14 @@ CONSOLE_NOISE = ("Token authentication is enabled", "Started a local Ray instanc
                  "Writing model shards", "LOAD REPORT", "Found endpoint for s3", "Found credentials in")
 
 
-def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
+def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tiny_bert_with_heads, tmp_path):
+    # The small random BERT: what is checked here is the plumbing, and every checkpoint of MiniLM (~0.3 GB
+    # with its optimizer state) crossed the Python S3 server several times.
     shards, runs = f"{s3_bucket}/shards", f"{s3_bucket}/runs"
     assert run("-m", "data_prep", "wiki", "--input", *map(str, SAMPLE), "--out", shards,
                "--shard-size-mb", "2").returncode == 0
     common = ["--config", "quickstart", *SHORT, f"data.url={shards}", f"train.run_root={runs}",
-              "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
+              f"model.name={tiny_bert_with_heads}", "train.name=s3run", "train.zero_stage=2", "train.ckpt_every=2", "eval.every=2",
               "data.length_group_batches=3"]  # the resume at step 4 is in a window: it replays it
 
     first, listening = run_listening("-m", "clsys.pretrain", *common, "train.steps=4", "train.profile=true",
@@ -220,9 +222,11 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
     assert f"| steps | {best_step} of {4 if best_step <= 4 else 6}, global batch 16, max length 32 |" in card
     assert f"best stsb-en-dev_spearman {best['value']:.2f} at step {best_step}" in card
     assert json.loads((out / "config_sentence_transformers.json").read_text())["similarity_fn_name"] == "cosine"
-    assert record["pooler"] == "all-MiniLM-L6-v2's, untrained"
+    assert record["pooler"] == f"{tiny_bert_with_heads}'s, untrained"
     model, tok = AutoModel.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    for name, weight in pooler_weights("all-MiniLM-L6-v2").items():
+    base_pooler = pooler_weights(tiny_bert_with_heads)
+    assert base_pooler
+    for name, weight in base_pooler.items():
         assert torch.equal(model.state_dict()[name], weight), name
     batch = tok(["A cat sits on the mat.", "Stocks fell sharply."], padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -236,10 +240,12 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tmp_path):
 
 
 @pytest.mark.usefixtures("shared_ray")
-def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_path):
-    """ZeRO-3, bf16 autocast, 2 accumulation micro-steps, and GradCache chunks of 3 rows (8 per micro-step)."""
+def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tiny_bert_with_heads, tmp_path):
+    """ZeRO-3, bf16 autocast, 2 accumulation micro-steps, and GradCache chunks of 3 rows (8 per micro-step),
+    on the small random BERT."""
     # A relative run_root is relative to the driver's folder (Ray workers run elsewhere).
     proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs",
+               f"model.name={tiny_bert_with_heads}",
                "train.name=z3", "train.zero_stage=3", "train.precision=bf16", "train.grad_accum=2", "train.steps=3",
                "objective.grad_cache.chunk_size=3",
                "train.ckpt_every=3", "eval.every=3",
@@ -255,7 +261,7 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tmp_pa
 
     from clsys.model.encoder import load_encoder
 
-    trained, base = AutoModel.from_pretrained(exported), load_encoder("all-MiniLM-L6-v2")
+    trained, base = AutoModel.from_pretrained(exported), load_encoder(tiny_bert_with_heads)
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), base.state_dict().values())]
     assert max(diffs) > 0, "export of a ZeRO-3 checkpoint returned the base weights"
     # bf16 training keeps fp32 master weights; the export is consolidated from those.
@@ -317,12 +323,13 @@ def foreign_shards(local_shards, tmp_path_factory):
 @pytest.mark.parametrize("recipe,extra,data", [("simcse_sup", ["objective.mlm_weight=0.1"], "local_shards"),
                                                ("sg_opt", ["objective.grad_cache.chunk_size=3"], "foreign_shards")])
 @pytest.mark.usefixtures("shared_ray")
-def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, data, request, tmp_path):
-    """Each objective's bundled recipe, shortened: 2 Ray workers, ZeRO-2, shards from the local store
-    (SimCSE with its MLM auxiliary on, SG-OPT with GradCache, so those paths run through DeepSpeed too;
-    SG-OPT on shards indexed by `data_prep manifest`, as other tools' shards are). TaCL's recipe runs in
-    the next test."""
+def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, data, tiny_bert_with_heads, request, tmp_path):
+    """Each objective's bundled recipe, shortened, on the small random BERT: 2 Ray workers, ZeRO-2, shards
+    from the local store (SimCSE with its MLM auxiliary on, SG-OPT with GradCache, so those paths run
+    through DeepSpeed too; SG-OPT on shards indexed by `data_prep manifest`, as other tools' shards are).
+    TaCL's recipe runs in the next test."""
     proc = run("-m", "clsys.pretrain", "--config", recipe, *SHORT, *extra, "train.batch_size=8", "data.max_length=64",
+               f"model.name={tiny_bert_with_heads}",
                f"data.url={request.getfixturevalue(data)}", f"train.run_root={tmp_path}", f"train.name={recipe}",
                "train.steps=2",
                "train.ckpt_every=2",
