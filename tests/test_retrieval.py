@@ -25,14 +25,14 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def reranker_dir(tmp_path_factory):
-    """A randomly initialised 2-label BERT cross-encoder with the packaged MiniLM tokenizer."""
+    """A randomly initialised 2-label BERT cross-encoder with the packaged MiniLM tokenizer, 128 positions."""
     from transformers import BertConfig, BertForSequenceClassification
 
     folder = tmp_path_factory.mktemp("reranker")
     tokenizer = load_tokenizer("all-MiniLM-L6-v2")
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, num_labels=2)
+                        intermediate_size=64, num_labels=2, max_position_embeddings=128)
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -174,6 +174,8 @@ def test_hf_reranker_scores_pairs(reranker_dir):
     # Length-sorted batches come back in input order and padding changes nothing.
     alone = torch.cat([score([q], [d]) for q, d in zip(queries, documents)])
     assert torch.allclose(batched, alone, atol=1e-5)
+    # A pair longer than the model's 128 positions is cut to them (it was cut to 512 tokens, and crashed).
+    assert torch.isfinite(score(["a question?"], ["word " * 400])).all()
 
 
 # -----------------------------------------------------------------------------
