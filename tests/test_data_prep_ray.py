@@ -95,6 +95,30 @@ def test_failed_task_is_retried(how, english, bucket, ray_env, tmp_path):
     assert objects(out) == serial
 
 
+def test_corrupt_block_is_reported_as_in_one_process(english, bucket, ray_env):
+    """Damaged bz2 data inside the 4th block: its 7 pages are lost and reported (status corrupt at the
+    block's offset, exit 3), the other blocks kept; the Ray run writes what one process does with the index."""
+    dump, index, _ = english
+    offsets = sorted({int(line.split(":")[0]) for line in bz2.decompress(storage.read_bytes(index)).decode().splitlines()})
+    data = bytearray(storage.read_bytes(dump))
+    middle = (offsets[3] + offsets[4]) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    bad = dump.replace("/dumps/", "/corrupt/")
+    storage.write_bytes(bad, bytes(data))
+    outs = {how: f"{bucket}/corrupt-{how}" for how in ("serial", "ray")}
+    for how, out in outs.items():
+        result = run_cli("--input", bad, "--index", index, "--out", out, "--shard-size-mb", SHARD_MB,
+                         *(("--ray",) if how == "ray" else ()), env=ray_env if how == "ray" else None)
+        assert result.returncode == 3, result.stderr
+        assert f"{bad}: corrupt bz2 data" in result.stderr and f"block at byte {offsets[3]}" in result.stderr
+        assert "lost 7 pages" in result.stderr and "Traceback" not in result.stderr
+    ray = objects(outs["ray"])
+    assert ray == objects(outs["serial"])
+    (source,) = json.loads(ray["/sentences/manifest.json"])["sources"]
+    assert (source["status"], source["byte_offset"], source["pages_lost"], source["pages_read"]) == \
+           ("corrupt", offsets[3], 7, 53)
+
+
 def test_several_languages_in_one_ray_run(english, bucket, ray_env, tmp_path):
     """English, Chinese, Japanese and Arabic multistream dumps in one run: one stream pair per language,
     each as the one-process run writes it."""
