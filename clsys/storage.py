@@ -285,11 +285,8 @@ def publish_staged(staged: str, url: str) -> None:
         if parse(url).scheme != "file":
             upload_file(staged, url)
             return
-        fd = os.open(staged, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(staged, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(staged, parse(url).path)
     except OSError as err:
         raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
