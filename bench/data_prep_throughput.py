@@ -39,10 +39,14 @@ the test suite.
 Then (alone with ``--ray-only``) ``--ray``: the same pages as a Wikimedia multistream dump with its index
 (100 pages a bz2 stream, cached too), read with ``--index`` by one process and by ``--ray`` on a local
 Ray cluster of 2 CPUs on 127.0.0.1 started beforehand by this script (as a cluster is there before `ray
-job submit`; the run joins it through RAY_ADDRESS, so worker start-up is timed, the cluster's not), and
-by ``--ray`` on the --small-mb dump. The cluster's workers run at nice 0 like the one-process run (Ray's
-default is 15). The Ray rows give the driver's CPU (its tree) and the workers' (sampled with psutil),
-and the largest peak RSS of a worker, i.e. of a task; both runs' manifests must be identical. Ratio
+job submit`: its agents done starting, its object store sized as `ray start` sizes it; the run joins it
+through RAY_ADDRESS, and the cluster starts the job's workers), --repeat times each, alternating, a row
+being the run with the least wall time; then by ``--ray`` on the --small-mb dump. The cluster's workers run at nice 0
+like the one-process run (Ray's default is 15). The Ray rows give the driver's CPU (its tree) and the
+workers' (psutil, read every 0.5 s: they exit with the job), and the largest peak RSS of a worker (the
+kernel's VmHWM, reset before each run), i.e. of a task; both runs' manifests must be identical. These
+runs' trees are not sampled for PSS (that costs a few percent of a core, which the Ray run, keeping both
+cores busy, would pay and the one-process run would not). Ratio
 lines: ``ray_2cpu_over_1proc`` (wall time; target ≥ 1.8) and ``ray_task_peak_rss_big_over_small``
 (target ≈ 1).
 """
@@ -75,6 +79,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 MB = 10**6
 POLL_S = 0.2  # memory sampling period: often enough for peaks that last seconds, cheap on a busy machine
+TASK_POLL_S = 0.5  # Ray workers' CPU and peak RSS (VmHWM, the kernel's own peak, so no peak is missed)
 ID = re.compile(rb"<id>\d+</id>")
 # Wiki markup and template residue that no reader should see in prose.
 RESIDUE = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref", "</ref", "&nbsp;", "''", "==", "<!--", "[http")
@@ -172,8 +177,8 @@ class Run:
     tree_pss_mb: float  # peak of the tree's sum, sampled
     procs: int  # most processes seen at once
     stdout: str
-    task_rss_mb: float = 0.0  # Ray runs: the largest peak RSS of a worker process (sampled), i.e. per task
-    task_cpu_s: float = 0.0  # Ray runs: user + system of the worker processes (sampled; the tree's CPU is the driver's)
+    task_rss_mb: float = 0.0  # Ray runs: the largest peak RSS of a worker process, i.e. per task
+    task_cpu_s: float = 0.0  # Ray runs: user + system of the worker processes (the tree's CPU is the driver's)
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
@@ -192,26 +197,42 @@ def tree_memory(root: psutil.Process) -> tuple[int, int]:
     return total, count
 
 
+def peak_rss(proc: psutil.Process) -> int:
+    """The kernel's record of ``proc``'s peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{proc.pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 def measure(cmd: list[str], log: Path, env: dict | None = None,
-            tasks: Callable[[], list[psutil.Process]] | None = None) -> Run:
-    """Run ``cmd`` from the repository root with stdout/stderr to ``log``.{out,err}; exit on failure. ``tasks``:
-    the processes outside the tree that work for it (a Ray cluster's workers), whose memory and CPU are sampled."""
+            tasks: Callable[[], list[psutil.Process]] | None = None, sample_tree: bool = True) -> Run:
+    """Run ``cmd`` from the repository root with stdout/stderr to ``log``.{out,err}; exit on failure.
+    ``sample_tree``: sample the tree's memory (PSS) every POLL_S, which costs a few percent of a core: off
+    where one run is compared with one that keeps every core busy. ``tasks``: the processes outside the tree
+    that work for it (a Ray cluster's workers, which exit with the job): their CPU time and peak memory
+    (VmHWM, reset at the start for the idle ones) are read every TASK_POLL_S, a cheaper reading."""
     stop = threading.Event()
     peak = {"pss": 0, "procs": 0, "task_rss": 0}
     task_cpu: dict[int, float] = {}  # pid → its CPU seconds when last seen
-    before = {task.pid: sum(task.cpu_times()[:2]) for task in tasks()} if tasks else {}  # idle workers' start
+    before = {}  # pid → CPU seconds of the idle workers at the start
+    for task in tasks() if tasks else []:
+        with contextlib.suppress(psutil.Error, OSError):
+            before[task.pid] = sum(task.cpu_times()[:2])
+            with open(f"/proc/{task.pid}/clear_refs", "w") as clear:
+                clear.write("5")  # VmHWM := the current RSS
     with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
         root = psutil.Process(proc.pid)
 
         def poll() -> None:
-            while not stop.wait(POLL_S):
-                pss, procs = tree_memory(root)
-                peak["pss"], peak["procs"] = max(peak["pss"], pss), max(peak["procs"], procs)
+            period = POLL_S if sample_tree else TASK_POLL_S
+            while not stop.wait(period):
+                if sample_tree:
+                    pss, procs = tree_memory(root)
+                    peak["pss"], peak["procs"] = max(peak["pss"], pss), max(peak["procs"], procs)
                 for task in tasks() if tasks else []:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        peak["task_rss"] = max(peak["task_rss"], task.memory_info().rss)
+                    with contextlib.suppress(psutil.Error, OSError):
+                        peak["task_rss"] = max(peak["task_rss"], peak_rss(task))
                         task_cpu[task.pid] = sum(task.cpu_times()[:2]) - before.get(task.pid, 0.0)
 
         poller = threading.Thread(target=poll, daemon=True)
@@ -273,20 +294,40 @@ def local_ray_cluster(cpus: int) -> Iterator[str]:
     os.environ["RAY_worker_niceness"] = "0"
     from ray.cluster_utils import Cluster
 
+    # Cluster's own default object store is a test-sized 150 MiB; `ray start` gives it 30% of the free memory.
+    store = int(0.3 * psutil.virtual_memory().available)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False})
+                                                            "include_dashboard": False, "object_store_memory": store})
     try:
+        # A cluster that is there: its agents done starting (their imports, seconds of CPU, would otherwise
+        # run beside the timed run on these two cores). Its workers start when a job connects.
+        deadline, busy = time.monotonic() + 60, 1.0
+        while busy > 0.05 and time.monotonic() < deadline:
+            busy = -cluster_cpu_s()
+            time.sleep(0.5)
+            busy += cluster_cpu_s()
         yield cluster.address
     finally:
         cluster.shutdown()
 
 
+def cluster_cpu_s() -> float:
+    """CPU seconds used so far by this process's descendants that are still running."""
+    total = 0.0
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(proc.cpu_times()[:2])
+    return total
+
+
 def ray_workers() -> list[psutil.Process]:
-    """The Ray worker processes among this process's descendants (their title is ``ray::…``)."""
+    """The Ray worker processes among this process's descendants (their title is ``ray::…``, as the agents'
+    is: ``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``)."""
     found = []
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::"):
+            title = proc.cmdline()[:1]
+            if title and title[0].startswith("ray::") and not title[0].endswith("Agent"):
                 found.append(proc)
     return found
 
@@ -299,34 +340,39 @@ def run_by_block(path: Path, work: Path, ray_address: str | None = None) -> tupl
     cmd = [sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--index", str(multistream_index(path)),
            "--out", str(out)]
     if ray_address:
-        run = measure([*cmd, "--ray"], out, {**os.environ, "RAY_ADDRESS": ray_address}, ray_workers)
+        run = measure([*cmd, "--ray"], out, {**os.environ, "RAY_ADDRESS": ray_address}, ray_workers, sample_tree=False)
     else:
-        run = measure(cmd, out)
+        run = measure(cmd, out, sample_tree=False)
     manifests = b"".join((out / stream / "manifest.json").read_bytes() for stream in ("sentences", "documents"))
     shutil.rmtree(out)
     pages, articles = map(int, re.search(r"pages read: (\d+), articles: (\d+)", run.stdout).groups())
     return run, pages, articles, manifests
 
 
-def ray_comparison(work: Path, mb: float, small_mb: float) -> None:
-    """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dump; and the Ray
-    workers' peak memory on a dump ``small_mb`` big, to show that it does not grow with the dump."""
+def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
+    """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dump, ``repeat`` times
+    each, alternating (a row is the run with the least wall time); and the Ray workers' peak memory on a dump
+    ``small_mb`` big, to show that it does not grow with the dump."""
     big, meta = dump(work, mb, multistream=True)
     small, small_meta = dump(work, small_mb, multistream=True)
     load = os.getloadavg()[0]
-    one = run_by_block(big, work)
     with local_ray_cluster(2) as address:
-        on_ray = run_by_block(big, work, address)
+        ones, rays = [], []
+        for _ in range(repeat):
+            ones.append(run_by_block(big, work))
+            rays.append(run_by_block(big, work, address))
         on_ray_small = run_by_block(small, work, address)
+    one, on_ray = (min(runs, key=lambda run: run[0].wall_s) for runs in (ones, rays))
     for label, (run, pages, articles, manifests), want in (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta)):
         if (pages, articles) != (want["pages"], want["articles"]):
             sys.exit(f"data_prep_throughput: {label}: {pages} pages, {articles} articles, expected {want['pages']}, "
                      f"{want['articles']}")
-    if on_ray[3] != one[3]:
-        sys.exit("data_prep_throughput: the Ray run's manifests differ from the one-process run's")
+    if len({run[3] for run in ones + rays}) != 1:
+        sys.exit("data_prep_throughput: the manifests of the Ray runs and the one-process runs differ")
     xml_mb = meta["xml_bytes"] / MB
     print(f"\nmultistream dump {big} (+ index): {xml_mb:.1f} MB XML, {meta['pages']} pages; {os.cpu_count()} CPU "
-          f"cores, load average {load:.1f} at start; manifests of both runs identical")
+          f"cores, load average {load:.1f} at start; manifests of all runs identical; each row the least wall "
+          f"time of {repeat} runs, alternating")
     print(f"{'data_prep wiki --index':<29} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'driver CPU s':>12} "
           f"{'tasks CPU s':>11} {'driver RSS MB':>13} {'task RSS MB':>11}")
     for label, run in (("one process", one[0]), ("--ray, 2-CPU local cluster", on_ray[0])):
@@ -390,7 +436,7 @@ def main() -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if args.ray_only:
-        ray_comparison(work, args.dump_mb, small_mb)
+        ray_comparison(work, args.dump_mb, small_mb, args.repeat)
         return
     try:
         wikiextractor_version = importlib.metadata.version("wikiextractor")
@@ -453,7 +499,7 @@ def main() -> None:
         print(f"ratio data_prep_over_wikiextractor_per_core_{n}proc {theirs[n][0].wall_s / ours[n][0].wall_s:.2f}")
         print(f"ratio data_prep_over_wikiextractor_per_cpu_s_{n}proc {theirs[n][0].cpu_s / ours[n][0].cpu_s:.2f}")
     print(f"ratio data_prep_peak_rss_big_over_small {ours[1][0].max_rss_mb / small_run.max_rss_mb:.2f}")
-    ray_comparison(work, args.dump_mb, small_mb)
+    ray_comparison(work, args.dump_mb, small_mb, args.repeat)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ MAX_RETRIES = 3
 FAULT_ENV = "DATA_PREP_FAULT_ONCE"
 # Non-secret settings the tasks need (credentials come from each worker's own environment or role, never
 # through Ray's runtime_env, which the dashboard shows).
-WORKER_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", FAULT_ENV)
+WORKER_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", FAULT_ENV)
 
 
 def _task(fn, *args):
@@ -75,12 +75,14 @@ class RayPool:
         if not joining:
             # Without it, a local cluster binds its services to the machine's external address.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"])
         import ray
 
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         local = {} if joining else {"address": "local", "num_cpus": cpus, "include_dashboard": False}
-        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING, **local)
+        # No runtime_env unless there is something to set: a job with one gets worker processes of its own,
+        # started (and their imports paid) while the run waits, instead of the cluster's idle ones
+        # (measured: 0.6 s of a 16 s run on a 2-CPU cluster).
+        ray.init(runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING, **local)
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES,
                                   retry_exceptions=[StorageError, OSError])(_task)
