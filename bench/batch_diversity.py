@@ -49,11 +49,16 @@ def write_sample(out: Path, window_mb: float) -> str:
     return str(out / "sentences")
 
 
+def nothing(samples: list[dict]) -> dict:
+    """The collate of a loader read for its keys alone (module level: loader workers get it pickled)."""
+    return {}
+
+
 def loader_batches(stream: str, cfg, steps: int) -> list[list[str]]:
     """The keys of each step's global batch, as the recipe's ranks would read them."""
     per_rank = []
     for rank in range(cfg.cluster.num_workers):
-        loader = ShardLoader(stream, rank, cfg.cluster.num_workers, cfg.micro_batch, lambda samples: {},
+        loader = ShardLoader(stream, rank, cfg.cluster.num_workers, cfg.micro_batch, nothing,
                              cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer)
         batches = iter(loader)
         per_rank.append([next(batches)["keys"] for _ in range(steps)])

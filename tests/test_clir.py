@@ -16,6 +16,11 @@ from clsys.objectives.clir import CLIR, clir_example, document_side, hard_negati
 from data_prep.shards import ShardWriter
 
 
+def pair_ids(samples: list[dict]) -> dict:
+    """A collate for the loader's worker processes (module level: they get it pickled)."""
+    return {"ids": [x["json"]["pair_id"] for x in samples]}
+
+
 def record(i: int, hard_a: int = 2, hard_b: int = 3) -> dict:
     return {"pair_id": f"en-de/{i}-{100 + i}/0-0", "langs": ["en", "de"], "method": "lead", "score": 1.0,
             "sides": [{"lang": "en", "page_id": i, "title": f"T{i}", "heading": "",
@@ -239,7 +244,7 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
                "en-es": write_stream(tmp_path / "en-es", [record(i) for i in range(40, 50)], 5)}
 
     def mixer(temperature=0.0, tasks=("qlm", "rr"), alternate=True):
-        loaders = {name: ShardLoader(url, 0, 1, 2, lambda s: {"ids": [x["json"]["pair_id"] for x in s]}, 7,
+        loaders = {name: ShardLoader(url, 0, 1, 2, pair_ids, 7,
                                      shuffle_buffer=4)
                    for name, url in streams.items()}
         return TaskMixer(loaders, list(tasks), alternate, temperature, micro_steps=2, seed=7)

@@ -34,6 +34,11 @@ class _Opens:
         return open, (self.path, "w")
 
 
+def texts_of(samples: list[dict]) -> dict:
+    """A collate for the loader's worker processes (module level: they get it pickled)."""
+    return {"txt": [s["txt"] for s in samples]}
+
+
 def write_foreign(folder, pickle_target: str) -> list[tuple[str, str]]:
     """Four shards as another tool writes them (three .tar, one .tar.gz); returns (key, caption) in order."""
     os.makedirs(folder, exist_ok=True)
@@ -77,7 +82,7 @@ def test_foreign_shards_index_in_place_and_read_like_webdataset(tmp_path, capsys
 
     # Training's loader plans the epoch from the manifest and reads every sample once.
     plan = plan_epoch(shards, 0, 3, 1, 2, 4)
-    loader = ShardLoader(str(src), 0, 1, 4, lambda batch: {"txt": [s["txt"] for s in batch]}, seed=3,
+    loader = ShardLoader(str(src), 0, 1, 4, texts_of, seed=3,
                          loader_workers=2, shuffle_buffer=8)
     batches = [b for b, _ in zip(loader, range(plan.batches_per_rank))]
     read = [t for b in batches for t in b["txt"]]

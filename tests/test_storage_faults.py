@@ -23,6 +23,11 @@ TRANSIENT = ["reset", "500", "503", "truncate"]
 SIZES = [1_000, 0, 12 * 2**20, 300_000]  # 12 MiB: upload_file sends it in 5 MiB parts (see the fixture)
 
 
+def texts_of(samples: list[dict]) -> dict:
+    """A collate for the loader's worker processes (module level: they get it pickled)."""
+    return {"txt": [x["txt"] for x in samples]}
+
+
 def use_endpoint(monkeypatch, url: str) -> None:
     """Fresh clients from here on: storage caches one per process, and boto3's default session
     caches the credentials it first found."""
@@ -126,8 +131,8 @@ def test_shard_loader_through_faults_yields_the_clean_batches(s3_bucket, proxied
     write_stream(url, tmp_path)
 
     def batches():
-        # 2 loader workers: forked processes, each with its own client (made from the environment).
-        loader = ShardLoader(url, rank=0, ranks=1, micro_batch=8, collate=lambda s: {"txt": [x["txt"] for x in s]},
+        # 2 loader worker processes, each with its own client (made from the environment).
+        loader = ShardLoader(url, rank=0, ranks=1, micro_batch=8, collate=texts_of,
                              seed=5, loader_workers=2, shuffle_buffer=16)
         it = iter(loader)
         return [next(it) for _ in range(20)]  # into the second epoch (15 batches each)

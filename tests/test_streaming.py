@@ -3,13 +3,17 @@ resume, safety. Bad data has its own file (test_streaming_faults.py)."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import hashlib
 import io
 import json
+import os
+import pickle
 import random
 import tarfile
 
+import psutil
 import pytest
 import torch
 
@@ -45,6 +49,10 @@ def write_stream(url: str, tmp_path, sizes: list[int], text=lambda n, i: f"sente
 
 def collate(samples):
     return {"texts": [s["txt"] for s in samples]}
+
+
+def worker_environment(samples):
+    return {"env": os.environ.get("CLSYS_TEST_LOADER_ENV")}
 
 
 def take(loader, n):
@@ -226,6 +234,30 @@ def test_an_elastic_state_resumes_exactly_and_elastically_again(tmp_path):
     assert len(set(every_key) - set(read)) < GLOBAL_BATCH
 
 
+def test_loader_workers_do_not_share_the_trainers_memory(tmp_path, monkeypatch):
+    """Loader workers start from a clean process (a forkserver), not forked from the training process: a
+    worker forked from it shares its memory copy-on-write and keeps, as its own, every page the trainer
+    writes afterwards (weights, gradients, optimizer state; ~5 GB per worker with multilingual-e5-small on
+    CPU). They still see the trainer's environment of when the epoch began, as forked workers would."""
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    monkeypatch.setenv("CLSYS_TEST_LOADER_ENV", "set after the forkserver may have started")
+    state = bytearray(64 * 2**20)  # stands for the training state, in memory before the workers start
+    address = ctypes.addressof((ctypes.c_char * len(state)).from_buffer(state))
+    batches = iter(ShardLoader(url, 0, 1, 4, worker_environment, seed=0, loader_workers=2, shuffle_buffer=8))
+    assert [next(batches)["env"] for _ in range(2)] == ["set after the forkserver may have started"] * 2  # both workers
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name() == "pt_data_worker"]
+    assert len(workers) == 2
+
+    def maps_state(worker: psutil.Process) -> bool:
+        # A forked worker has the trainer's mappings at the same addresses; a clean process has its own.
+        spans = (m.addr.split("-") for m in worker.memory_maps(grouped=False))
+        return any(int(start, 16) <= address < int(end, 16) for start, end in spans)
+
+    assert not any(maps_state(w) for w in workers)
+    assert all(w.ppid() != os.getpid() for w in workers)
+
+
 def test_epochs_reshuffle(tmp_path):
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, SIZES)
@@ -374,7 +406,7 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
     write_stream(url, tmp_path, SIZES, mixed_scripts)
     cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
                              "data.max_length=128"])
-    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer))
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)).without_modules()
     per_epoch = plan_epoch(load_shards(url), 0, 9, 1, 2, 4).batches_per_rank
 
     def padding_tokens(k: int, lengths) -> int:
@@ -386,3 +418,24 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
     by_tokens = padding_tokens(8, objective.sample_lengths)
     assert by_tokens < 0.5 * by_chars and by_tokens < 0.2 * plain, (plain, by_chars, by_tokens)
     assert objective.sample_lengths([{"txt": "漢字漢字"}, {"txt": "word word"}]) == [4, 2]
+
+
+def test_loader_workers_get_the_objectives_data_side_only(tiny):
+    """What training hands the loader's worker processes (``Objective.without_modules``): the objective's
+    collate as it is, without its parameters and submodules (here the encoder, the MLP and the MLM head)."""
+    from clsys.config import load_config
+    from clsys.model.encoder import load_tokenizer
+    from clsys.objectives import OBJECTIVES
+
+    cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
+                             "objective.mlm_weight=0.1"])
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer))
+    data_side = pickle.loads(pickle.dumps(objective.without_modules()))
+    assert list(objective.parameters()) and not list(data_side.parameters()) and not list(data_side.children())
+    samples = [{"txt": f"sentence number {i} of the batch"} for i in range(6)]
+    torch.manual_seed(3)
+    full = objective.collate(samples)
+    torch.manual_seed(3)
+    light = data_side.collate(samples)
+    assert full.keys() == light.keys() and "masked_input_ids" in full
+    assert all(torch.equal(full[k], light[k]) for k in full)

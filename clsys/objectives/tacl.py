@@ -129,7 +129,7 @@ class TaCL(Objective):
         padding = "max_length" if self.oc.pad_negatives else True
         encode = dict(padding=padding, truncation=True, max_length=self.cfg.data.max_length, return_tensors="pt")
         extra = {}
-        if self.nsp_head is not None:
+        if self.oc.nsp_weight:  # (the NSP head itself is not in the loader workers' copy of the objective)
             # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
             firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
             batch = self.tokenizer(firsts, seconds, **{**encode, "truncation": "longest_first"})
