@@ -439,3 +439,19 @@ def test_loader_workers_get_the_objectives_data_side_only(tiny):
     light = data_side.collate(samples)
     assert full.keys() == light.keys() and "masked_input_ids" in full
     assert all(torch.equal(full[k], light[k]) for k in full)
+
+
+@pytest.mark.parametrize("recipe", ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir", "css_lm"])
+def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
+    """Each bundled recipe's objective: its data side pickles (the forkserver's workers get it so; a lambda
+    in it, say, would stop training at the first batch) and carries no parameters."""
+    from clsys.config import load_config
+    from clsys.model.encoder import load_tokenizer
+    from clsys.objectives import OBJECTIVES
+
+    extra = ["objective.num_labels=2"] if recipe == "css_lm" else []  # set by its pipeline from the task's data
+    cfg = load_config(recipe, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", *extra])
+    objective = OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))
+    assert list(objective.parameters())
+    data_side = pickle.loads(pickle.dumps(objective.without_modules()))
+    assert not list(data_side.parameters()) and not list(data_side.buffers())

@@ -6,6 +6,7 @@ and returns a ``LossOutput``. The engine never knows which objective it runs.
 """
 from __future__ import annotations
 
+import copy
 import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -86,11 +87,12 @@ class Objective(nn.Module):
         tensors, parameters or submodules (encoder, heads, teachers, banks; torch would move them into shared
         memory on the way), nor the methods and classes DeepSpeed attaches to the module it trains (ZeRO-3's
         hooks, which reach the engine)."""
-        copy = object.__new__(type(self))
-        copy.__dict__.update({k: v for k, v in self.__dict__.items()
-                              if not isinstance(v, (torch.Tensor, nn.Module, type, types.MethodType))})
-        copy.__dict__.update(nn.Module().__dict__)  # the module bookkeeping, fresh: no parameters, children, hooks
-        return copy
+        data_side = object.__new__(type(self))
+        # A deep copy: the workers of every later epoch get it as it is now, whatever training then changes.
+        data_side.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items()
+                                                 if not isinstance(v, (torch.Tensor, nn.Module, type, types.MethodType))}))
+        data_side.__dict__.update(nn.Module().__dict__)  # the module bookkeeping, fresh: no parameters, children, hooks
+        return data_side
 
     def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
         """Tokens of each sample's ``txt``: the sort key of length-grouped batches (``data.length_group_batches``);

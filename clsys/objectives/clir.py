@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -144,8 +145,8 @@ class CLIR(Objective):
         pooler = nsp_head[0]  # BERT's pretrained dense + tanh on [CLS]; its NSP classifier is not used
         self.rr_head = nn.Sequential(pooler, nn.Dropout(oc.rr_dropout), nn.Linear(pooler.dense.out_features, 2))
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, bernoulli=True)
-        self.pools: dict[str, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=oc.random_pool))
+        self.pools: dict[str, collections.deque] = collections.defaultdict(  # picklable: loader workers get it
+            functools.partial(collections.deque, maxlen=oc.random_pool))
         self.latest: dict[str, torch.Tensor] = {}  # newest value of every metric, so logs show all tasks
         self.start_encoder = None
         if oc.keep_weight:
