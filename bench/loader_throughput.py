@@ -64,7 +64,7 @@ def moto_server() -> tuple[subprocess.Popen, str]:
 
 def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
     """(seconds to the first batch, samples/s over the next --batches batches)."""
-    data_side = objective.without_modules()  # what training hands the loader's worker processes
+    data_side = objective.data_side()  # what training hands the loader's worker processes
     loader = ShardLoader(url, 0, 1, args.batch, data_side.collate, seed=0, loader_workers=workers)
     start = time.perf_counter()
     batches = iter(loader)
@@ -81,7 +81,7 @@ def training_rate(url: str, objective, args, length_group: int) -> tuple[float, 
     """(samples/s of one rank's training steps, share of the batches' tokens that are padding). The timed
     batches are the loader's first --steps: whole windows when --steps is a multiple of --length-group
     (within a window batch lengths differ, so part of one is a biased sample)."""
-    data_side = objective.without_modules()
+    data_side = objective.data_side()
     loader = ShardLoader(url, 0, 1, args.batch, data_side.collate, seed=0, loader_workers=1,
                          length_group=length_group, lengths=data_side.sample_lengths)
     batches = iter(loader)

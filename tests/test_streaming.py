@@ -406,7 +406,7 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
     write_stream(url, tmp_path, SIZES, mixed_scripts)
     cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
                              "data.max_length=128"])
-    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)).without_modules()
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)).data_side()
     per_epoch = plan_epoch(load_shards(url), 0, 9, 1, 2, 4).batches_per_rank
 
     def padding_tokens(k: int, lengths) -> int:
@@ -421,7 +421,7 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
 
 
 def test_loader_workers_get_the_objectives_data_side_only(tiny):
-    """What training hands the loader's worker processes (``Objective.without_modules``): the objective's
+    """What training hands the loader's worker processes (``Objective.data_side``): the objective's
     collate as it is, without its parameters and submodules (here the encoder, the MLP and the MLM head)."""
     from clsys.config import load_config
     from clsys.model.encoder import load_tokenizer
@@ -430,7 +430,7 @@ def test_loader_workers_get_the_objectives_data_side_only(tiny):
     cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
                              "objective.mlm_weight=0.1"])
     objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer))
-    data_side = pickle.loads(pickle.dumps(objective.without_modules()))
+    data_side = pickle.loads(pickle.dumps(objective.data_side()))
     assert list(objective.parameters()) and not list(data_side.parameters()) and not list(data_side.children())
     samples = [{"txt": f"sentence number {i} of the batch"} for i in range(6)]
     torch.manual_seed(3)
@@ -453,5 +453,5 @@ def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
     cfg = load_config(recipe, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", *extra])
     objective = OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))
     assert list(objective.parameters())
-    data_side = pickle.loads(pickle.dumps(objective.without_modules()))
+    data_side = pickle.loads(pickle.dumps(objective.data_side()))
     assert not list(data_side.parameters()) and not list(data_side.buffers())

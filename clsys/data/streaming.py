@@ -81,6 +81,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from clsys.data.shard_reader import Shard, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
+_WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
 # What the forkserver imports once, so that each loader worker forked from it starts in a fraction of a second
 # ("__main__": the trainer's main module, which each worker would otherwise import again: under Ray, Ray's own).
 _FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streaming", "clsys.objectives"]
@@ -94,7 +95,6 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     return context
-_WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
 
 
 @dataclass(frozen=True)

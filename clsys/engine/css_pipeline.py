@@ -177,8 +177,8 @@ class Worker:
             d = cfg.data
             # Tokenised in the loader's worker processes by the objective's collate.
             corpus = iter(ShardLoader(self.corpus, self.rank, self.world, micro * cfg.objective.domain_negatives,
-                                      objective.without_modules().collate, cfg.train.seed, d.loader_workers, d.shuffle_buffer,
-                                      d.verify_checksums, d.on_bad_sample))
+                                      objective.data_side().collate, cfg.train.seed, d.loader_workers,
+                                      d.shuffle_buffer, d.verify_checksums, d.on_bad_sample))
         epochs = cfg.train.steps // math.ceil(len(self.task.train) / cfg.train.batch_size)
         history, best, best_state = [], None, None
         started, first_step = time.perf_counter(), self.step

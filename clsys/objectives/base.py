@@ -75,24 +75,24 @@ class Objective(nn.Module):
         from clsys import storage
         from clsys.data.streaming import ShardLoader
 
-        data_side = self.without_modules()
-        return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, data_side.collate,
+        data = self.data_side()
+        return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, data.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
-                           cfg.data.on_bad_sample, cfg.data.length_group_batches, data_side.sample_lengths)
+                           cfg.data.on_bad_sample, cfg.data.length_group_batches, data.sample_lengths)
 
-    def without_modules(self) -> Objective:
-        """A shallow copy with the objective's data side only (configuration, tokenizer, masker, …): what the
-        loader's worker processes get for ``collate`` and ``sample_lengths``. They start from a clean process
+    def data_side(self) -> Objective:
+        """A copy of the objective's data side only (configuration, tokenizer, masker, …): what the loader's
+        worker processes get for ``collate`` and ``sample_lengths``. They start from a clean process
         (``clsys.data.streaming``), so the copy is pickled to them, and training state must not travel: no
         tensors, parameters or submodules (encoder, heads, teachers, banks; torch would move them into shared
         memory on the way), nor the methods and classes DeepSpeed attaches to the module it trains (ZeRO-3's
         hooks, which reach the engine)."""
-        data_side = object.__new__(type(self))
+        data = object.__new__(type(self))
         # A deep copy: the workers of every later epoch get it as it is now, whatever training then changes.
-        data_side.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items()
-                                                 if not isinstance(v, (torch.Tensor, nn.Module, type, types.MethodType))}))
-        data_side.__dict__.update(nn.Module().__dict__)  # the module bookkeeping, fresh: no parameters, children, hooks
-        return data_side
+        data.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items()
+                                            if not isinstance(v, (torch.Tensor, nn.Module, type, types.MethodType))}))
+        data.__dict__.update(nn.Module().__dict__)  # the module bookkeeping, fresh: no parameters, children, hooks
+        return data
 
     def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
         """Tokens of each sample's ``txt``: the sort key of length-grouped batches (``data.length_group_batches``);
