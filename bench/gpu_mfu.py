@@ -1,6 +1,6 @@
 """Model FLOP utilisation of a BERT-base-sized encoder on one GPU: SimCSE and TaCL (masked LM) steps, bf16.
 
-    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--min-words N] [--steps 20] [--zero 2] [--compile]
+    python bench/gpu_mfu.py [--batch 256] [--seq 128] [--min-words N] [--steps 20] [--zero 0] [--compile]
                             [--padded | --packed-attention padded|nested] [--peak-tflops auto]
 
 A random-init BERT-base (clsys/configs/models/bert-base.json: 12 layers, d 768, vocab 30,522) trains
@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--zero", type=int, default=2, help="DeepSpeed ZeRO stage of the clsys step")
+    parser.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage of the clsys step (one GPU: 0, "
+                        "the fastest there; 1-2 partition nothing on one rank)")
     parser.add_argument("--objectives", nargs="+", default=["simcse", "tacl"], choices=["simcse", "tacl"])
     parser.add_argument("--precision", default="bf16", choices=["bf16", "bf16_weights"],
                         help="train.precision of the clsys step (the bare loop always autocasts)")

@@ -101,7 +101,8 @@ def consumed_batches(run_dir: str, ranks: int, micro_batch: int, steps: int) -> 
     return [[key for keys in per_rank for key in keys[s * micro_batch:(s + 1) * micro_batch]] for s in range(steps)]
 
 
-def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str, precision: str) -> float:
+def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str, precision: str,
+                                 warmup: int = 0) -> float:
     """The clsys SimCSE recipe through sentence-transformers, on the batches a clsys run consumed.
 
     Same as clsys: the batches and their order, one forward over both dropout views, the training MLP
@@ -109,7 +110,8 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
     weight decay, betas, eps, clipping and linear decay, the step's precision (``bf16``: forward and
     loss under bf16 autocast, as clsys's step; ``fp32``), and the best STS-B dev checkpoint (raw CLS,
     evaluated at the same steps) kept. The loss is MultipleNegativesRankingLoss (scale 1/τ).
-    Returns seconds per step (evaluations excluded); the selected model is saved to ``out``."""
+    Returns seconds per step after the first ``warmup`` (evaluations excluded); the selected model is
+    saved to ``out``."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
@@ -145,7 +147,8 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         schedule.step()
-        seconds += time.perf_counter() - start
+        if step > warmup:
+            seconds += time.perf_counter() - start
         if step % cfg.eval.every == 0 or step == len(batches):
             score = evaluate_sts(word.auto_model, model.tokenizer, dev, pooling="cls")["spearman"]
             if score > best:
@@ -153,7 +156,7 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
     word.auto_model.load_state_dict(best_state)
     word.auto_model.save_pretrained(out)
     model.tokenizer.save_pretrained(out)
-    return seconds / len(batches)
+    return seconds / (len(batches) - warmup)
 
 
 def korean_simcse(out: str, seeds: list[int], steps: int) -> None:

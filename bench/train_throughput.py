@@ -7,10 +7,11 @@ Same model (all-MiniLM-L6-v2, dropout 0.1), data (the bundled Wikipedia sample's
 batch, max length, lr (3e-5, AdamW, grad clip 1.0), CLS pooling, τ 0.05 and number of steps for:
   (a) bare: a plain loop, no framework: tokenise the batch, both dropout views in one padded forward,
       InfoNCE, backward, AdamW: the overhead floor;
-  (b) sentence-transformers: its model and MultipleNegativesRankingLoss (scale 20 = 1/τ) on identical
-      sentence pairs, in a plain loop over them (no Trainer: its best case; one forward per view);
-  (c) clsys: ``python -m clsys.pretrain`` (quickstart recipe: packed rows, ``model.packed``) through Ray
-      Train + DeepSpeed ZeRO-2 with 1 worker (2 CPUs) and with 2 workers (1 CPU each), tokenisation in
+  (b) sentence-transformers: bench/sts_recipes.py's arm (its model with CLS pooling and a training MLP,
+      MultipleNegativesRankingLoss at scale 20 = 1/τ, both views in one forward, AdamW, clipping) on
+      the same batches as (a), in a plain loop (no Trainer: its best case), fp32;
+  (c) clsys: ``python -m clsys.pretrain`` (quickstart recipe: packed rows, ``model.packed``, DeepSpeed
+      stage 0) through Ray Train with 1 worker (2 CPUs) and with 2 workers (1 CPU each), tokenisation in
       the loader workers; once more with 1 worker and ``model.packed=false`` (padded batches, as (a) and
       (b) run), and once with 1 worker and length-grouped batches (``data.length_group_batches`` = K =
       --length-group): the same sentences per step, less padding (an option the other ways lack;
@@ -54,6 +55,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from clsys import storage  # noqa: E402
+from clsys.config import load_config  # noqa: E402
 from clsys.data.shard_reader import load_shards, read_shard  # noqa: E402
 from clsys.engine.deepspeed import bf16_matmul_units  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
@@ -151,9 +153,11 @@ def main() -> None:
     sample_shards()
     out = str(REPO / args.out)
     shutil.rmtree(out, ignore_errors=True)
-    # (a) reads the sentences in the order (b) shuffles them to (same seed, same list).
-    sentences = [s["txt"] for shard in load_shards(storage.join(str(SHARDS), "sentences")) for s in read_shard(shard)]
-    random.Random(0).shuffle(sentences)
+    # (a) and (b) read the same sentences in the same shuffled order.
+    samples = [(s["__key__"], s["txt"]) for shard in load_shards(storage.join(str(SHARDS), "sentences"))
+               for s in read_shard(shard)]
+    random.Random(0).shuffle(samples)
+    sentences = [text for _, text in samples]
     random.seed(0)
 
     total, timed = args.warmup + args.steps, args.steps
@@ -167,9 +171,13 @@ def main() -> None:
               "2w_bf16_log1": "clsys, 2 workers, bf16, logging every step"}
     bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
     per_step = {"bare": bare_seconds / timed}
+    keys = [key for key, _ in samples]
+    st_batches = [keys[step * args.batch % len(keys):][:args.batch] for step in range(total)]
+    st_cfg = load_config("quickstart", [f"train.steps={total}", f"train.batch_size={args.batch}",
+                                        f"data.max_length={args.max_length}", "optim.lr=3e-5", "optim.warmup_steps=0",
+                                        f"eval.every={total}"])
     with tempfile.TemporaryDirectory() as tmp:
-        per_step["st"] = sentence_transformers_simcse(str(SHARDS), total, args.batch, 3e-5, 0, tmp,
-                                                      warmup=args.warmup) / timed
+        per_step["st"] = sentence_transformers_simcse(str(SHARDS), st_batches, st_cfg, tmp, "fp32", warmup=args.warmup)
     same = dict(steps=total, batch=args.batch, max_length=args.max_length, warmup=args.warmup, out=out)
     clsys_rows = {"1w": dict(workers=1, **same), "2w": dict(workers=2, **same),
                   "1w_padded": dict(workers=1, packed=False, **same),

@@ -173,32 +173,33 @@ def loopback_ray_cluster(head_cpus: int):
         cluster.shutdown()
 
 
-class TwoRankCheckpoints:
-    """Inside one of two processes (``torch.multiprocessing.spawn``): a gloo group on 127.0.0.1 and a real
-    DeepSpeed ZeRO-2 engine (CPU) on the ``tiny`` BERT, saving checkpoints as a training worker does, with
-    its rank in the loader state so that a restore shows whose state came back."""
+class RankCheckpoints:
+    """Inside one of ``world`` processes (``torch.multiprocessing.spawn``): a gloo group on 127.0.0.1 and a
+    real DeepSpeed engine (CPU, ZeRO ``stage``) on the ``tiny`` BERT, saving checkpoints as a training
+    worker does, with its rank in the loader state so that a restore shows whose state came back."""
 
-    def __init__(self, rank: int, port: int, tiny: str):
+    def __init__(self, rank: int, port: int, tiny: str, world: int = 2, stage: int = 2):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+                          WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
         from clsys.config import load_config
         from clsys.engine.deepspeed import build_engine, init_distributed
         from clsys.model.encoder import load_tokenizer
         from clsys.objectives import OBJECTIVES
 
         init_distributed()
-        cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
-                                 "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=2", "train.batch_size=8",
-                                 "train.zero_stage=2"])
-        self.rank = rank
-        self.engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
+        self.cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
+                                      "model.tokenizer=all-MiniLM-L6-v2", f"cluster.num_workers={world}",
+                                      "train.batch_size=8", f"train.zero_stage={stage}", "train.precision=fp32"])
+        self.rank, self.world = rank, world
+        self.engine = build_engine(OBJECTIVES["simcse"](self.cfg, load_tokenizer(self.cfg.model.tokenizer)), self.cfg)
 
     def save(self, run: str, step: int) -> str:
         """Checkpoint ``step``, complete when this returns (the background writer, waited for)."""
         from clsys.engine.checkpoint_writer import CheckpointWriter
 
         writer = CheckpointWriter(self.engine, run, keep=10)
-        url = writer.save(step, {"loader": {"rank": self.rank}}, {"world_size": 2}, lambda folder: None)
+        meta = {"world_size": self.world, "config": self.cfg.to_dict(), "precision": self.cfg.train.precision}
+        url = writer.save(step, {"loader": {"rank": self.rank}}, meta, lambda folder: None)
         writer.wait()
         return url
 
@@ -206,5 +207,5 @@ class TwoRankCheckpoints:
         """(step, loader state) restored from the first intact checkpoint of ``candidates``."""
         from clsys.engine import checkpoint
 
-        fetched = checkpoint.fetch_intact(candidates, 2)
-        return fetched.step, checkpoint.load(self.engine, fetched, 2)["loader"]
+        fetched = checkpoint.fetch_intact(candidates, self.world)
+        return fetched.step, checkpoint.load(self.engine, fetched, self.world)["loader"]

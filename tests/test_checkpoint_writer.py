@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from clsys import storage
-from tests.conftest import TwoRankCheckpoints, free_port
+from tests.conftest import RankCheckpoints, free_port
 
 
 def test_to_host_copies_every_tensor_and_leaf():
@@ -39,7 +39,7 @@ def _train_while_writing(rank: int, port: int, tiny: str, run: str, out: dict) -
 
     from clsys.engine.checkpoint_writer import CheckpointWriter
 
-    ranks = TwoRankCheckpoints(rank, port, tiny)
+    ranks = RankCheckpoints(rank, port, tiny)
     engine = ranks.engine
     batch = engine.module.collate([{"txt": f"sentence {rank} {i}", "json": {}} for i in range(4)])
 
@@ -97,3 +97,34 @@ def test_the_background_writer_saves_the_state_at_the_save_while_training_goes_o
         # In a file:// run folder DeepSpeed's (large) state files are serialised in place, never copied.
         assert f"rank-0000{rank}.pt" in out[f"copied-{rank}"] and \
             not [name for name in out[f"copied-{rank}"] if name.endswith("_states.pt")], out[f"copied-{rank}"]
+
+
+def _stage_0_save_or_resume(rank: int, port: int, tiny: str, run: str, world: int, out: dict) -> None:
+    ranks = RankCheckpoints(rank, port, tiny, world=world, stage=0)
+    engine = ranks.engine
+    if world == 2:  # write: one step, then the checkpoint
+        batch = engine.module.collate([{"txt": f"sentence {rank} {i}", "json": {}} for i in range(4)])
+        engine.backward(engine(batch).loss)
+        engine.step()
+        out["url"] = ranks.save(run, 1)
+    else:
+        out["fresh"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out["resumed"] = ranks.resume([f"{run}/checkpoints/step-00000001"])
+    out[f"weights-{world}-{rank}"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out[f"moments-{world}-{rank}"] = {n: engine.optimizer.state[p]["exp_avg"].clone()
+                                      for n, p in engine.module.named_parameters() if p in engine.optimizer.state}
+
+
+def test_a_zero_stage_0_checkpoint_resumes_on_another_rank_count(tiny, tmp_path):
+    # Stage 0 keeps the whole model and Adam state in one file, which DeepSpeed's universal converter cannot
+    # read (it looks for ZeRO's partition files: elastic resume of stage 0 used to fail); it loads as it is.
+    out, run = mp.Manager().dict(), f"file://{tmp_path}/run"
+    mp.spawn(_stage_0_save_or_resume, args=(free_port(), tiny, run, 2, out), nprocs=2, join=True)
+    mp.spawn(_stage_0_save_or_resume, args=(free_port(), tiny, run, 1, out), nprocs=1, join=True)
+    assert out["resumed"] == (1, {"rank": 0})
+    assert not storage.exists(storage.join(out["url"], "universal/COMPLETE"))
+    for kind in ("weights", "moments"):
+        saved, restored = out[f"{kind}-2-0"], out[f"{kind}-1-0"]
+        assert len(saved) > 20 and saved.keys() == restored.keys()
+        assert all(torch.equal(saved[n], restored[n]) for n in saved), kind
+    assert not all(torch.equal(out["fresh"][n], out["weights-2-0"][n]) for n in out["fresh"])  # it can fail

@@ -14,7 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from clsys import storage
-from tests.conftest import TwoRankCheckpoints, free_port
+from tests.conftest import RankCheckpoints, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data_prep", "samples",
@@ -67,7 +67,7 @@ def _fill_then_save(rank: int, port: int, tiny: str, run: str, disk: str, out: d
 
     from clsys.engine import checkpoint
 
-    ranks = TwoRankCheckpoints(rank, port, tiny)
+    ranks = RankCheckpoints(rank, port, tiny)
     ranks.save(run, 2)
     filler = os.path.join(disk, "filler")
     if rank == 0:  # the disk fills up: nothing more fits

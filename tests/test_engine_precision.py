@@ -56,8 +56,9 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
     from deepspeed.runtime import torch_autocast
     from deepspeed.runtime.zero import stage_1_and_2
 
+    grad_norm = engine.get_global_grad_norm()  # None where nothing clips (optim.grad_clip=0, stage 0)
     out.update(losses=losses, param_dtypes={str(p.dtype) for p in objective.model.parameters()},
-               norm_dtype=str(stage_1_and_2.get_norm_dtype()), grad_norm=float(engine.get_global_grad_norm()),
+               norm_dtype=str(stage_1_and_2.get_norm_dtype()), grad_norm=None if grad_norm is None else float(grad_norm),
                hidden_dtypes={str(d) for d in hidden_dtypes},
                changed=sum(not torch.equal(before[k], after[k]) for k in before),
                compiled=getattr(objective.model, "_compiled_call_impl", None) is not None,
@@ -131,3 +132,20 @@ def test_compiled_step_matches_the_eager_step(tiny, fp32_step):
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=1e-5)
     for name, weight in eager["weights"].items():
         torch.testing.assert_close(compiled["weights"][name], weight, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_stage_0_clips_and_logs_the_norm_as_zero_2_does(tiny):
+    # Stage 0 clips with torch's clip_grad_norm_ instead of DeepSpeed's per-parameter loop
+    # (clsys.engine.deepspeed._plain_data_parallel). With a threshold below the gradients' norm both steps
+    # clip: AdamW is nearly blind to one constant scale, but not to the two steps' different clip factors,
+    # so the weights agree with ZeRO-2's only if stage 0 clipped alike. grad_norm is the unclipped norm.
+    zero_2 = run_step(tiny, "train.precision=fp32", "optim.grad_clip=0.01")
+    zero_0 = run_step(tiny, "train.precision=fp32", "optim.grad_clip=0.01", "train.zero_stage=0")
+    unclipped = run_step(tiny, "train.precision=fp32", "optim.grad_clip=0", "train.zero_stage=0")
+    assert zero_0["zero_stage"] == 0 and zero_0["grad_norm"] > 0.01
+    assert zero_0["grad_norm"] == pytest.approx(zero_2["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(zero_0["losses"], zero_2["losses"], rtol=1e-5, atol=1e-6)
+    for name, weight in zero_2["weights"].items():
+        torch.testing.assert_close(zero_0["weights"][name], weight, rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(unclipped["weights"][name], weight, rtol=1e-4, atol=1e-6)
+               for name, weight in zero_2["weights"].items())

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from clsys import integrity, storage
 from clsys.integrity import SUMS, IntegrityError
 from faults import flip_a_byte
-from tests.conftest import TwoRankCheckpoints, free_port
+from tests.conftest import RankCheckpoints, free_port
 
 OPTIM_RANK_1 = "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"  # ZeRO-2: rank 1's optimizer partition
 
@@ -77,7 +77,7 @@ def _damage_and_resume(rank: int, port: int, tiny: str, runs: list[str], out: di
     from clsys.engine import checkpoint
     from clsys.engine.loop import _resume_candidates
 
-    ranks = TwoRankCheckpoints(rank, port, tiny)
+    ranks = RankCheckpoints(rank, port, tiny)
 
     def resume(run: str, damage) -> dict:
         """Rank 0 damages the run's checkpoints; then every rank resumes the way a restarted worker does."""

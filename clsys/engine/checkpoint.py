@@ -17,7 +17,8 @@ the damaged one is set aside (its COMPLETE marker replaced by a CORRUPT file nam
 and training resumes from the older one. Older complete checkpoints beyond
 ``train.keep_checkpoints`` are deleted only after the new one is complete.
 
-Elastic resume (a different number of ranks than wrote the checkpoint): rank 0 converts ``ds/`` to a
+Elastic resume (a different number of ranks than wrote the checkpoint): a ZeRO stage-0 checkpoint holds
+the whole state in one file and loads as it is; for the others rank 0 converts ``ds/`` to a
 DeepSpeed *universal* checkpoint (parameters and Adam moments as whole fp32 tensors, one file per
 parameter, any ZeRO stage) once, stores it as ``universal/`` next to ``ds/`` (its own COMPLETE
 marker last, its own SHA256SUMS before it), and every rank loads its new partition from it. Dropout
@@ -199,6 +200,7 @@ class Fetched:
     saved_world: int  # the rank count that wrote it
     folder: str  # local: ds/ (or the universal form's ds/) and this rank's state file
     rank_file: str
+    universal: bool  # the universal form, for another rank count (the engine is built with load_universal)
 
 
 def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
@@ -217,7 +219,8 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     except (storage.StorageError, integrity.IntegrityError) as err:
         problems = [str(err)]
     problems = _agreed(problems)
-    if not problems and state["world_size"] != world:
+    universal = not problems and state["world_size"] != world and not _whole_state(state)
+    if universal:
         problems = _ensure_universal(url, sums)
     if problems:
         shutil.rmtree(local, ignore_errors=True)
@@ -226,7 +229,7 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     saved = int(state["world_size"])
     rank_file = f"rank-{rank if saved == world else 0:05d}.pt"
     try:
-        if saved == world:
+        if not universal:
             storage.download_dir(storage.join(url, "ds"), os.path.join(local, "ds"))
             if sums is not None:
                 problems = integrity.differences(local, sums, lambda rel: rel.startswith("ds/"))
@@ -245,7 +248,15 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     if problems:
         shutil.rmtree(local, ignore_errors=True)
         return None, problems
-    return Fetched(url, int(state["step"]), saved, local, rank_file), []
+    return Fetched(url, int(state["step"]), saved, local, rank_file, universal), []
+
+
+def _whole_state(state: dict) -> bool:
+    """Whether the checkpoint keeps the whole model and Adam state in DeepSpeed's one model-states file
+    (ZeRO stage 0 with fp32 weights), which any rank count loads as it is. Every other kind holds each
+    rank's partition of the optimizer, which another rank count reads through the universal form (whose
+    converter needs those partition files, so it cannot read a stage-0 checkpoint)."""
+    return state.get("config", {}).get("train", {}).get("zero_stage") == 0 and state.get("precision") != "bf16_weights"
 
 
 def fetch_intact(candidates: list[str], world: int) -> Fetched | None:
@@ -275,8 +286,9 @@ def load(engine, fetched: Fetched, world_size: int) -> dict:
     """Restore model/optimizer/scheduler from ``fetched`` (removing the local copy); this rank's saved state.
 
     With the rank count that wrote it every rank gets back its own RNG and loader state. With another
-    count (``engine`` built with ``load_universal``) the weights and optimizer are resharded and every
-    rank gets rank 0's loader state (all ranks stand at the same position) and no RNG state.
+    count the weights and optimizer are resharded (from the universal form, ``engine`` built with
+    ``load_universal``; a stage-0 checkpoint's whole state as it is) and every rank gets rank 0's loader
+    state (all ranks stand at the same position) and no RNG state.
     """
     try:
         with weights_only_loads():

@@ -136,7 +136,7 @@ def train_worker(payload: dict) -> None:
           f"precision {precision}", flush=True)
     resume = checkpoint.fetch_intact(_resume_candidates(run, payload.get("resume")), world)
     saved_world = resume.saved_world if resume else world
-    engine = build_engine(objective, cfg, load_universal=saved_world != world)
+    engine = build_engine(objective, cfg, load_universal=bool(resume and resume.universal))
     engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
     loader = objective.loader(cfg, rank, world)
     # From here on each rank draws its own dropout masks.
