@@ -150,7 +150,8 @@ def train_worker(payload: dict) -> None:
             checkpoint.set_rng_state(rank_state["rng"])
         loader.load_state_dict(rank_state["loader"])
         if rank == 0:
-            elastic = f" (written by {saved_world} ranks, resharded for {world})" if saved_world != world else ""
+            elastic = "" if saved_world == world else \
+                f" (written by {saved_world} ranks, {'resharded for' if resume.universal else 'loaded whole on'} {world})"
             print(f"[clsys] resumed from {resume.url} at step {step}{elastic}", flush=True)
             if cfg.train.log_sample_keys:
                 _drop_sample_keys_after(run, step)
