@@ -63,11 +63,10 @@ from sample_data import SAMPLE_SHARDS as SHARDS, sample_shards  # noqa: E402
 from sts_recipes import MODEL, logged_mean, sentence_transformers_simcse, step_time  # noqa: E402
 
 
-def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, warmup: int,
-              bf16: bool = False) -> tuple[float, dict]:
-    """Seconds for the SimCSE steps of the plain loop after the first ``warmup``, and their split:
-    seconds per step by phase, and the share of padding in the batches. ``bf16``: the forward under
-    torch.autocast (bf16), as a user would add it."""
+def bare_loop(batches: list[list[str]], max_length: int, warmup: int, bf16: bool = False) -> tuple[float, dict]:
+    """Seconds for the plain loop's SimCSE steps (one per batch of sentences) after the first ``warmup``,
+    and their split: seconds per step by phase, and the share of padding in the batches. ``bf16``: the
+    forward under torch.autocast (bf16), as a user would add it."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(MODEL)
     model = load_encoder(MODEL, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
@@ -75,12 +74,11 @@ def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, war
     model.train()
     split = {"tokenize": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
     real = padded = 0
-    for step in range(steps):
+    for step, texts in enumerate(batches):
         if step == warmup:
             start = time.perf_counter()
             split = dict.fromkeys(split, 0.0)
         marks = [time.perf_counter()]
-        texts = sentences[step * batch % len(sentences):][:batch]
         inputs = tokenizer(texts * 2, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         real, padded = real + int(inputs["attention_mask"].sum()), padded + inputs["attention_mask"].numel()
         marks.append(time.perf_counter())
@@ -96,7 +94,7 @@ def bare_loop(sentences: list[str], steps: int, batch: int, max_length: int, war
         marks.append(time.perf_counter())
         for phase, begin, end in zip(split, marks, marks[1:]):
             split[phase] += end - begin
-    timed = steps - warmup
+    timed = len(batches) - warmup
     return time.perf_counter() - start, {**{k: v / timed for k, v in split.items()}, "padding": 1 - real / padded}
 
 
@@ -153,14 +151,15 @@ def main() -> None:
     sample_shards()
     out = str(REPO / args.out)
     shutil.rmtree(out, ignore_errors=True)
-    # (a) and (b) read the same sentences in the same shuffled order.
+    total, timed = args.warmup + args.steps, args.steps
+    # (a) and (b) read the same batches: the sentences shuffled once, taken in turn (wrapping around).
     samples = [(s["__key__"], s["txt"]) for shard in load_shards(storage.join(str(SHARDS), "sentences"))
                for s in read_shard(shard)]
     random.Random(0).shuffle(samples)
-    sentences = [text for _, text in samples]
+    batches = [samples[step * args.batch % len(samples):][:args.batch] for step in range(total)]
+    texts = [[text for _, text in batch] for batch in batches]
     random.seed(0)
 
-    total, timed = args.warmup + args.steps, args.steps
     k = args.length_group
     labels = {"bare": "bare PyTorch loop", "st": "sentence-transformers MNRL",
               "1w": "clsys, Ray + DeepSpeed, 1 worker", "2w": "clsys, Ray + DeepSpeed, 2 workers",
@@ -169,15 +168,14 @@ def main() -> None:
               "bare_bf16": "bare PyTorch loop, bf16 autocast", "1w_bf16": "clsys, 1 worker, bf16 (precision=auto)",
               "2w_bf16": "clsys, 2 workers, bf16 (precision=auto)",
               "2w_bf16_log1": "clsys, 2 workers, bf16, logging every step"}
-    bare_seconds, bare_split = bare_loop(sentences, total, args.batch, args.max_length, args.warmup)
+    bare_seconds, bare_split = bare_loop(texts, args.max_length, args.warmup)
     per_step = {"bare": bare_seconds / timed}
-    keys = [key for key, _ in samples]
-    st_batches = [keys[step * args.batch % len(keys):][:args.batch] for step in range(total)]
     st_cfg = load_config("quickstart", [f"train.steps={total}", f"train.batch_size={args.batch}",
                                         f"data.max_length={args.max_length}", "optim.lr=3e-5", "optim.warmup_steps=0",
                                         f"eval.every={total}"])
     with tempfile.TemporaryDirectory() as tmp:
-        per_step["st"] = sentence_transformers_simcse(str(SHARDS), st_batches, st_cfg, tmp, "fp32", warmup=args.warmup)
+        per_step["st"] = sentence_transformers_simcse(str(SHARDS), [[key for key, _ in batch] for batch in batches],
+                                                      st_cfg, tmp, "fp32", warmup=args.warmup)
     same = dict(steps=total, batch=args.batch, max_length=args.max_length, warmup=args.warmup, out=out)
     clsys_rows = {"1w": dict(workers=1, **same), "2w": dict(workers=2, **same),
                   "1w_padded": dict(workers=1, packed=False, **same),
@@ -185,8 +183,7 @@ def main() -> None:
     # Apart from the targets (other arithmetic than the rows above): bf16 autocast, which the quickstart's
     # train.precision: auto picks on a CPU with bf16 matrix units, against a bare loop that autocasts too.
     if bf16_matmul_units(use_gpu=False):
-        per_step["bare_bf16"] = bare_loop(sentences, total, args.batch, args.max_length, args.warmup,
-                                          bf16=True)[0] / timed
+        per_step["bare_bf16"] = bare_loop(texts, args.max_length, args.warmup, bf16=True)[0] / timed
         clsys_rows.update({f"{w}w_bf16": dict(same, workers=w, precision="auto") for w in (1, 2)})
         # Logging every step must cost nothing either (it once waited on Ray's report queue: ~2 s a step).
         clsys_rows["2w_bf16_log1"] = dict(same, workers=2, precision="auto", log_every=1)

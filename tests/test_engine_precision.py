@@ -136,7 +136,7 @@ def test_compiled_step_matches_the_eager_step(tiny, fp32_step):
 
 def test_zero_stage_0_clips_and_logs_the_norm_as_zero_2_does(tiny):
     # Stage 0 clips with torch's clip_grad_norm_ instead of DeepSpeed's per-parameter loop
-    # (clsys.engine.deepspeed._plain_data_parallel). With a threshold below the gradients' norm both steps
+    # (clsys.engine.deepspeed._torch_step). With a threshold below the gradients' norm both steps
     # clip: AdamW is nearly blind to one constant scale, but not to the two steps' different clip factors,
     # so the weights agree with ZeRO-2's only if stage 0 clipped alike. grad_norm is the unclipped norm.
     zero_2 = run_step(tiny, "train.precision=fp32", "optim.grad_clip=0.01")

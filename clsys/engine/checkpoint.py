@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from clsys import integrity, storage
+from clsys.engine.deepspeed import plain_data_parallel
 from clsys.integrity import SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
@@ -253,10 +254,10 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
 
 def _whole_state(state: dict) -> bool:
     """Whether the checkpoint keeps the whole model and Adam state in DeepSpeed's one model-states file
-    (ZeRO stage 0 with fp32 weights), which any rank count loads as it is. Every other kind holds each
-    rank's partition of the optimizer, which another rank count reads through the universal form (whose
+    (plain data parallelism), which any rank count loads as it is. Every other kind holds each rank's
+    partition of the optimizer, which another rank count reads through the universal form (whose
     converter needs those partition files, so it cannot read a stage-0 checkpoint)."""
-    return state.get("config", {}).get("train", {}).get("zero_stage") == 0 and state.get("precision") != "bf16_weights"
+    return plain_data_parallel(state.get("config", {}).get("train", {}).get("zero_stage"), state.get("precision"))
 
 
 def fetch_intact(candidates: list[str], world: int) -> Fetched | None:

@@ -159,13 +159,19 @@ def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = Fal
     # through memory once per operation: MiniLM's ZeRO-2 step took 0.24 s unfused, 0.08 s fused (docs/benchmarks.md, "Throughput and scale").
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg, load_universal))
-    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
-        _plain_data_parallel(engine)
+    if plain_data_parallel(cfg.train.zero_stage, step_precision(cfg)):
+        _torch_step(engine)
     return engine
 
 
-def _plain_data_parallel(engine) -> None:
-    """ZeRO stage 0 (plain data parallelism, fp32 weights): the step torch itself would take.
+def plain_data_parallel(zero_stage: int, precision: str) -> bool:
+    """Whether DeepSpeed runs plain data parallelism: ZeRO stage 0 with fp32 weights, every rank holding the
+    whole model and AdamW state (in bf16_weights mode DeepSpeed's bf16 optimizer partitions it even at stage 0)."""
+    return zero_stage == 0 and precision != "bf16_weights"
+
+
+def _torch_step(engine) -> None:
+    """Plain data parallelism (``plain_data_parallel``): the step torch itself would take.
 
     DeepSpeed clips stage 0's gradients one parameter at a time (for BERT-base ~200 small norm kernels, a
     copy each and host syncs: 8.5 ms of a 148 ms SimCSE step on an H100, where the bare loop's whole
