@@ -48,7 +48,10 @@ kernel's VmHWM, reset before each run), i.e. of a task; both runs' manifests mus
 runs' trees are not sampled for PSS (that costs a few percent of a core, which the Ray run, keeping both
 cores busy, would pay and the one-process run would not). Ratio
 lines: ``ray_2cpu_over_1proc`` (wall time; target ≥ 1.8) and ``ray_task_peak_rss_big_over_small``
-(target ≈ 1).
+(target ≈ 1). Last, ``--ray`` on the same pages in a dump without an index (a streaming task reads it, the
+driver only admits and writes), --repeat times, fastest kept: ``ray_no_index_total_cpu_over_driver_cpu``
+is the run's CPU over its driver's, the most a cluster can speed up when several such dumps are read at
+once (the driver, one process, being the part that does not spread).
 """
 from __future__ import annotations
 
@@ -194,13 +197,16 @@ def run_data_prep(path: Path, workers: int, work: Path, residue: bool = True) ->
     return run, pages, articles, residue
 
 
-def run_by_block(path: Path, work: Path, ray_address: str | None = None) -> tuple[Run, int, int, bytes]:
-    """(run, pages, articles, its two manifests) of ``data_prep wiki --index`` on a multistream dump: in one
-    process, or as Ray tasks on the cluster at ``ray_address`` (joined as `ray job submit` would)."""
+def run_by_block(path: Path, work: Path, ray_address: str | None = None,
+                 index: bool = True) -> tuple[Run, int, int, bytes]:
+    """(run, pages, articles, its two manifests) of ``data_prep wiki --index`` on a multistream dump (or of
+    ``data_prep wiki`` on a dump without an index when not ``index``): in one process, or as Ray tasks on
+    the cluster at ``ray_address`` (joined as `ray job submit` would)."""
     out = work / f"data_prep-by-block-{'ray' if ray_address else '1proc'}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--index", str(multistream_index(path)),
-           "--out", str(out)]
+    cmd = [sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--out", str(out)]
+    if index:
+        cmd += ["--index", str(multistream_index(path))]
     if ray_address:
         run = measure([*cmd, "--ray"], out, {**os.environ, "RAY_ADDRESS": ray_address}, ray_workers, sample_tree=False)
     else:
@@ -213,10 +219,12 @@ def run_by_block(path: Path, work: Path, ray_address: str | None = None) -> tupl
 
 def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
     """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dump, ``repeat`` times
-    each, alternating (a row is the run with the least wall time); and the Ray workers' peak memory on a dump
-    ``small_mb`` big, to show that it does not grow with the dump."""
+    each, alternating (a row is the run with the least wall time); the Ray workers' peak memory on a dump
+    ``small_mb`` big, to show that it does not grow with the dump; and ``--ray`` on the same pages in a dump
+    without an index (read by a streaming task: the driver's CPU is what bounds a big cluster's speed)."""
     big, meta = dump(work, mb, multistream=True)
     small, small_meta = dump(work, small_mb, multistream=True)
+    plain, plain_meta = dump(work, mb)
     load = os.getloadavg()[0]
     with local_ray_cluster(2) as address:
         ones, rays = [], []
@@ -224,8 +232,11 @@ def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
             ones.append(run_by_block(big, work))
             rays.append(run_by_block(big, work, address))
         on_ray_small = run_by_block(small, work, address)
+        on_ray_plain = min((run_by_block(plain, work, address, index=False) for _ in range(repeat)),
+                           key=lambda run: run[0].wall_s)
     one, on_ray = (min(runs, key=lambda run: run[0].wall_s) for runs in (ones, rays))
-    for label, (run, pages, articles, manifests), want in (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta)):
+    checks = (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta), ("ray no index", on_ray_plain, plain_meta))
+    for label, (run, pages, articles, manifests), want in checks:
         if (pages, articles) != (want["pages"], want["articles"]):
             sys.exit(f"data_prep_throughput: {label}: {pages} pages, {articles} articles, expected {want['pages']}, "
                      f"{want['articles']}")
@@ -235,15 +246,19 @@ def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
     print(f"\nmultistream dump {big} (+ index): {xml_mb:.1f} MB XML, {meta['pages']} pages; {os.cpu_count()} CPU "
           f"cores, load average {load:.1f} at start; manifests of all runs identical; each row the least wall "
           f"time of {repeat} runs, alternating")
-    print(f"{'data_prep wiki --index':<29} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'driver CPU s':>12} "
+    print(f"{'data_prep wiki':<34} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'driver CPU s':>12} "
           f"{'tasks CPU s':>11} {'driver RSS MB':>13} {'task RSS MB':>11}")
-    for label, run in (("one process", one[0]), ("--ray, 2-CPU local cluster", on_ray[0])):
-        print(f"{label:<29} {run.wall_s:>7.1f} {meta['pages'] / run.wall_s:>8.1f} {xml_mb / run.wall_s:>6.2f} "
+    for label, run in (("--index, one process", one[0]), ("--index --ray, 2-CPU local cluster", on_ray[0]),
+                       ("--ray without index, same pages", on_ray_plain[0])):
+        print(f"{label:<34} {run.wall_s:>7.1f} {meta['pages'] / run.wall_s:>8.1f} {xml_mb / run.wall_s:>6.2f} "
               f"{run.cpu_s:>12.1f} {run.task_cpu_s:>11.1f} {run.max_rss_mb:>13.0f} {run.task_rss_mb:>11.0f}")
     print(f"memory check: --ray on {small_meta['xml_bytes'] / MB:.1f} MB: largest Ray worker peak RSS "
           f"{on_ray_small[0].task_rss_mb:.0f} MB; on {xml_mb:.1f} MB: {on_ray[0].task_rss_mb:.0f} MB")
     print(f"ratio ray_2cpu_over_1proc {one[0].wall_s / on_ray[0].wall_s:.2f}")
     print(f"ratio ray_task_peak_rss_big_over_small {on_ray[0].task_rss_mb / on_ray_small[0].task_rss_mb:.2f}")
+    # What a cluster of any size can do at most on dumps without an index: the driver's share is serial.
+    print(f"ratio ray_no_index_total_cpu_over_driver_cpu "
+          f"{(on_ray_plain[0].cpu_s + on_ray_plain[0].task_cpu_s) / on_ray_plain[0].cpu_s:.1f}")
 
 
 def run_wikiextractor(path: Path, processes: int, work: Path, residue: bool = True) -> tuple[Run, int, Residue | None]:

@@ -4,7 +4,7 @@
 
 On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, mean ± std over --seeds seeds (42, 43, ...
 by default):
-  1. unsupervised SimCSE (clsys, the quickstart recipe: 2 Ray workers, ZeRO-2, best STS-B dev
+  1. unsupervised SimCSE (clsys, the quickstart recipe: 2 Ray workers, DeepSpeed stage 0, best STS-B dev
      checkpoint) on the bundled Wikipedia sample, each run logging the sample keys it consumed;
   2. the same recipe through sentence-transformers, like for like: the very batches, in the order
      that seed's clsys run consumed them, MultipleNegativesRankingLoss (scale 1/τ) over one forward

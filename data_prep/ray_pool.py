@@ -4,8 +4,10 @@
 so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
 the memory bound) and writes the results in input order, which keeps the output byte-identical to a run in
 one process. The results are samples the tasks already encoded as tar bytes (``wiki.EncodedPage``): the
-driver, the one serial part, only counts them and concatenates them into shards. Tasks get their inputs from the dump itself (a ranged read of one bz2 stream, local or in
-object storage) or, for a dump without an index, as arguments (a batch of pages the driver read).
+driver, the one serial part, only counts them and concatenates them into shards. Tasks get their inputs
+from the dump itself (a ranged read of one bz2 stream, local or in object storage) or, for a dump without
+an index, from a streaming task (``stream``) that reads the dump from the start and yields batches of
+pages: the dumps of several languages are then read at once, none of them by the driver.
 
 A task that fails is run again, up to ``MAX_RETRIES`` times: when its worker process or node dies (Ray does
 that for every task), and when it raises a storage error that outlived ``clsys.storage``'s own retries.
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import sys
+from typing import Iterator
 
 from clsys.storage import StorageError
 
@@ -30,8 +33,8 @@ FAULT_ENV = "DATA_PREP_FAULT_ONCE"
 WORKER_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", FAULT_ENV)
 
 
-def _task(fn, *args):
-    """What every Ray task runs: ``fn(*args)``, once the test fault (if any) has had its turn."""
+def _inject_fault() -> None:
+    """The test fault, if set and not yet taken by another task."""
     fault = os.environ.get(FAULT_ENV)
     if fault:
         how, _, path = fault.partition(":")
@@ -43,7 +46,18 @@ def _task(fn, *args):
             if how == "exit":
                 os._exit(1)
             raise StorageError(f"{FAULT_ENV}: an injected storage fault")
+
+
+def _task(fn, *args):
+    """What every Ray task runs: ``fn(*args)``, once the test fault (if any) has had its turn."""
+    _inject_fault()
     return fn(*args)
+
+
+def _stream_task(fn, *args):
+    """What a streaming task runs: the generator ``fn(*args)``, once the test fault has had its turn."""
+    _inject_fault()
+    yield from fn(*args)
 
 
 class _Result:
@@ -84,13 +98,23 @@ class RayPool:
         # (measured: 0.6 s of a 16 s run on a 2-CPU cluster).
         ray.init(runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING, **local)
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self._remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES,
-                                  retry_exceptions=[StorageError, OSError])(_task)
+        retries = {"max_retries": MAX_RETRIES, "retry_exceptions": [StorageError, OSError]}
+        self._remote = ray.remote(num_cpus=1, **retries)(_task)
+        # A streaming task takes no CPU slot: it waits (backpressure) for the tasks that consume what it
+        # yields, and those must be able to run however many streams are open.
+        self._stream = ray.remote(num_cpus=0, **retries)(_stream_task)
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']}" if joining else "a local Ray cluster"
         print(f"data_prep wiki: {self.slots} tasks at a time on {where}", file=sys.stderr, flush=True)
 
     def apply_async(self, fn, args: tuple) -> _Result:
         return _Result(self._remote.remote(fn, *args))
+
+    def stream(self, fn, args: tuple, ahead: int) -> Iterator:
+        """Run the generator ``fn(*args)`` as one Ray task: references to what it yields, in order, to pass
+        to ``apply_async`` (the object goes from the streaming task to the consuming one, not through this
+        process). It runs at most ``ahead`` objects ahead of what was taken. Retried as a whole when it
+        fails; Ray hands out what an earlier attempt yielded only once."""
+        return iter(self._stream.options(_generator_backpressure_num_objects=ahead).remote(fn, *args))
 
     def terminate(self) -> None:
         import ray

@@ -7,8 +7,13 @@ writers shuffle each ``--shuffle-window-mb`` of samples with ``--seed`` before w
 then mix many articles (in-batch negatives from one article are often false negatives).
 A Wikimedia *multistream* dump with its index (``--index``) is read in parallel too: pool workers
 each decompress, parse and process one bz2 block (``dumps.BlockReader``). What the workers run is in
-``wiki_tasks.py``. With ``--ray`` the same work
-runs as Ray tasks over a cluster's CPUs (``ray_pool.RayPool``), the driver still writing in input order.
+``wiki_tasks.py``. With ``--ray`` the same work runs as Ray tasks over a cluster's CPUs
+(``ray_pool.RayPool``), the driver still writing in input order; a dump without an index is then read
+by a streaming task of its own rather than by the driver.
+
+Output folders are independent (one per language in the per-language layout): up to
+``--parallel-languages`` of them are prepared at once, each in a thread with its own writers, all
+sharing one budget of tasks in flight, so that several dumps are read at the same time.
 
 The workers also encode each article's samples as the bytes they take in a tar (``EncodedPage``,
 ``shards.encode_sample``): a sample's key and metadata depend on its page alone, so they can. The main
@@ -31,9 +36,10 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from tqdm import tqdm
 
@@ -41,10 +47,10 @@ from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
 from data_prep.dumps import (BadIndex, DumpError, DumpReader, TruncatedDump, check_index, index_blocks,
-                             read_bz2_stream, skip_reason)
+                             read_bz2_stream)
 from data_prep.ray_pool import RayPool
 from data_prep.shards import ShardWriter, previous_shas
-from data_prep.wiki_tasks import BlockTask, EncodedPage, PageTask, batches, ordered_map, process_block, process_pages
+from data_prep.wiki_tasks import BlockTask, EncodedPage, ordered_map, process_batch, process_block, read_batches
 
 STREAMS = ("sentences", "documents")
 # The first four count pages, the last three sentences.
@@ -105,6 +111,9 @@ class WikiJob:
         self.sources: list[SourceReport] = []
         self.seen: set[tuple[str, int]] = set()
         self.dumps_done, self.bytes_done, self.shown = 0, 0, 0.0
+        self.reading: dict[str, int] = {}  # output folder -> bytes read of the dump it is reading now
+        self.lock = threading.Lock()  # the folders' threads share the progress figures
+        self.aborted = threading.Event()  # a folder failed: the others stop at their next result
 
     def admit(self, report: SourceReport, page_id: int, skip: str | None) -> bool:
         """Count one page read; True when it is a new article to write, else its skip is counted."""
@@ -122,29 +131,45 @@ class WikiJob:
         counts.articles += 1
         return True
 
-    def tasks(self, reader: DumpReader, report: SourceReport) -> Iterator[PageTask]:
-        """Articles to parse; a read fault ends the file (not the run)."""
+    def progress(self, folder: str, dump_bytes: int, n_dumps: int, force: bool = False) -> None:
+        """The bar's rate is pages/s; this adds the whole job's input read (``dump_bytes``: how far ``folder``'s
+        current dump is read, as stored), its MB/s and the dumps done, at most twice a second (and when ``force``)."""
+        with self.lock:
+            self.reading[folder] = dump_bytes
+            now = time.time()
+            if force or now - self.shown >= 0.5:
+                self.shown = now
+                mb = (self.bytes_done + sum(self.reading.values())) / 1e6
+                self.bar.set_postfix_str(f"{mb:.1f} MB, {mb / max(now - self.start, 1e-9):.2f} MB/s, dumps "
+                                         f"{self.dumps_done}/{n_dumps}", refresh=force)
+
+    def take(self, report: SourceReport, pages: list[tuple[int, str | EncodedPage]]) -> None:
+        """Admit a task's pages in file order and write the new articles."""
+        for page_id, outcome in pages:
+            if isinstance(outcome, str):
+                self.admit(report, page_id, outcome)
+            elif self.admit(report, page_id, None):
+                self.write(outcome)
+
+    def read_pages(self, pool, slots: int, gate, reader: DumpReader, report: SourceReport, n_dumps: int) -> None:
+        """A dump without an index: read in batches (``read_batches``) by a streaming Ray task of its own with
+        ``--ray``, else by this process; the batches' articles processed by the workers."""
         info = reader.siteinfo
-        media, category = frozenset(info.media_prefixes), frozenset(info.category_prefixes)
-        try:
-            for page in reader.pages():
-                if self.admit(report, page.page_id, skip_reason(page)):
-                    yield PageTask(report.lang, page.page_id, page.title, page.text, media, category,
-                                   self.args.passage_words)
-        except TruncatedDump as err:
-            report.status, report.error, report.byte_offset = "truncated", err.message, err.byte_offset
+        args = (reader.path, report.lang, frozenset(info.media_prefixes), frozenset(info.category_prefixes),
+                self.args.passage_words)
+        batches = pool.stream(read_batches, args, ahead=2 * slots) if isinstance(pool, RayPool) else read_batches(*args)
+        folder = self.folders[report.lang]
+        for result in ordered_map(pool, process_batch, batches, 2 * slots, gate):
+            if self.aborted.is_set():
+                return
+            self.take(report, result.pages)
+            report.bytes_read = result.bytes_read
+            self.progress(folder, result.bytes_read, n_dumps)
+            if result.fault is not None:
+                report.status = "truncated"
+                report.error, report.byte_offset = result.fault
 
-    def progress(self, dump_bytes: int, n_dumps: int, force: bool = False) -> None:
-        """The bar's rate is pages/s; this adds the whole job's input read (``dump_bytes`` of the current dump,
-        as stored), its MB/s and the dumps done, at most twice a second (and when ``force``)."""
-        now = time.time()
-        if force or now - self.shown >= 0.5:
-            self.shown = now
-            mb = (self.bytes_done + dump_bytes) / 1e6
-            self.bar.set_postfix_str(f"{mb:.1f} MB, {mb / max(now - self.start, 1e-9):.2f} MB/s, dumps "
-                                     f"{self.dumps_done}/{n_dumps}", refresh=force)
-
-    def read_blocks(self, pool, slots: int, reader: DumpReader, index: str, report: SourceReport,
+    def read_blocks(self, pool, slots: int, gate, reader: DumpReader, index: str, report: SourceReport,
                     n_dumps: int) -> None:
         """A multistream dump with its index: workers read one bz2 stream each; blocks are written in file order.
 
@@ -155,10 +180,12 @@ class WikiJob:
         tasks = (BlockTask(reader.path, index, block, report.lang, frozenset(info.media_prefixes),
                            frozenset(info.category_prefixes), self.args.passage_words)
                  for block in index_blocks(index, reader.path))
-        end, block = None, None
-        for result in ordered_map(pool, process_block, tasks, window=2 * slots):
+        end, block, folder = None, None, self.folders[report.lang]
+        for result in ordered_map(pool, process_block, tasks, 2 * slots, gate):
+            if self.aborted.is_set():
+                return
             block = result.block
-            self.progress(block.offset, n_dumps)
+            self.progress(folder, block.offset, n_dumps)
             if end is not None and block.offset != end:
                 raise BadIndex(f"{index}:{block.line}: the previous bz2 stream ends at byte {end}, but this line lists "
                                f"{block.offset}: the dump holds a stream the index does not list")
@@ -166,11 +193,7 @@ class WikiJob:
             if result.error is not None:
                 self.lose(report, result.error, block.offset, len(block.page_ids))
                 continue
-            for page_id, outcome in result.pages:
-                if isinstance(outcome, str):
-                    self.admit(report, page_id, outcome)
-                elif self.admit(report, page_id, None):
-                    self.write(outcome)
+            self.take(report, result.pages)
         if end is None:  # the last block was unreadable: where the closing stream starts is unknown
             return
         try:
@@ -203,6 +226,8 @@ class WikiJob:
         counts.passages += len(page.passages)
 
     def run(self, readers: list[DumpReader], indexes: list[str | None]) -> None:
+        """Every output folder's dumps in input order, up to ``--parallel-languages`` folders at a time (each in
+        a thread of its own, all sharing one budget of tasks in flight)."""
         workers = self.args.workers
         if self.args.ray:
             pool = RayPool(workers or os.cpu_count() or 1)
@@ -213,37 +238,54 @@ class WikiJob:
         # After the pool: rates leave out the start of a local Ray cluster (seconds).
         self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
         self.start = time.time()
-        # A folder's streams are closed after its last input: its shuffle windows (up to
-        # --shuffle-window-mb per stream) are written out then, not held until every language is read.
-        last = {self.folders[reader.lang]: reader for reader in readers}
+        dumps: dict[str, list] = {}  # output folder -> its (reader, index, report), in input order
+        for reader, index in zip(readers, indexes):
+            report = SourceReport(os.path.basename(reader.path), reader.lang, reader.siteinfo.dbname)
+            self.sources.append(report)
+            dumps.setdefault(self.folders[reader.lang], []).append((reader, index, report))
+        # Without workers the folders would only take turns on this process's one core.
+        at_once = 1 if pool is None else min(self.args.parallel_languages, len(dumps))
+        gate = threading.BoundedSemaphore(2 * slots)
+        threads = ThreadPoolExecutor(at_once, thread_name_prefix="data_prep-folder")
         try:
-            for reader, index in zip(readers, indexes):
-                report = SourceReport(os.path.basename(reader.path), reader.lang, reader.siteinfo.dbname)
-                self.sources.append(report)
-                if index is not None:
-                    self.read_blocks(pool, slots, reader, index, report, len(readers))
-                    report.bytes_read = storage.size(reader.path)
-                else:
-                    for results in ordered_map(pool, process_pages, batches(self.tasks(reader, report)),
-                                               window=2 * slots):
-                        for result in results:
-                            self.write(result)
-                        self.progress(reader.bytes_read, len(readers))
-                    report.bytes_read = reader.bytes_read
-                self.dumps_done += 1
-                self.bytes_done += report.bytes_read
-                self.progress(0, len(readers), force=True)
-                counts = self.counts[reader.lang]
-                counts.files += 1
-                counts.bytes_read += report.bytes_read
-                folder = self.folders[reader.lang]
-                if last[folder] is reader:
-                    for writer in self.writers[folder].values():
-                        writer.close()
+            futures = [threads.submit(self.run_folder, pool, slots, gate, folder, folder_dumps, len(readers))
+                       for folder, folder_dumps in dumps.items()]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:  # the first failure in input order
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
         finally:
+            # A folder failed (or Ctrl-C): the others stop at their next result, those not begun never begin.
+            self.aborted.set()
+            threads.shutdown(wait=True, cancel_futures=True)
             self.bar.close()
             if pool is not None:
                 pool.terminate()
+
+    def run_folder(self, pool, slots: int, gate, folder: str, dumps: list, n_dumps: int) -> None:
+        """One output folder's dumps in input order; its streams are closed after the last one, so that its
+        shuffle windows (up to --shuffle-window-mb per stream) are written out then, not held until every
+        language is read."""
+        for reader, index, report in dumps:
+            if self.aborted.is_set():
+                return
+            if index is not None:
+                self.read_blocks(pool, slots, gate, reader, index, report, n_dumps)
+                report.bytes_read = storage.size(reader.path)
+            else:
+                self.read_pages(pool, slots, gate, reader, report, n_dumps)
+            with self.lock:
+                self.dumps_done += 1
+                self.bytes_done += report.bytes_read
+                self.reading[folder] = 0
+            self.progress(folder, 0, n_dumps, force=True)
+            counts = self.counts[reader.lang]
+            counts.files += 1
+            counts.bytes_read += report.bytes_read
+        if self.aborted.is_set():
+            return
+        for writer in self.writers[folder].values():
+            writer.close()
 
     def languages(self, folder: str) -> list[str]:
         return sorted(lang for lang, f in self.folders.items() if f == folder)
@@ -281,6 +323,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "local or object storage) as Ray tasks, on the cluster at RAY_ADDRESS (as under `ray job "
                         "submit`; --workers is then ignored) or else on a local cluster on 127.0.0.1; failed tasks "
                         "are retried; output is identical to a run in one process")
+    p.add_argument("--parallel-languages", type=cli.positive(int), default=4, metavar="N",
+                   help="output folders (the languages of the per-language layout) prepared at the same time, each "
+                        "reading its dumps in order; with --ray a dump without --index is read by a task of its "
+                        "own, so N such dumps are read at once. Memory of this process: two shuffle windows per "
+                        "folder (default: 4; with one worker and no --ray: 1)")
     p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
                    help="word budget of a passage in the documents stream; a Chinese or Japanese character "
                         "counts as a word (default: 200)")

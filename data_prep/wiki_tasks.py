@@ -1,7 +1,8 @@
 """What ``data_prep wiki``'s workers run (pool processes or Ray tasks), and the ordered map that feeds them.
 
-A worker cleans and splits a page (``process_page``), or a batch of pages the driver read
-(``process_pages``), or reads a whole multistream bz2 block itself (``process_block``), and returns each
+A worker cleans and splits the pages of a batch read from a dump without an index (``read_batches``, run
+by a Ray task of its own or by the driver; ``process_batch``), or reads a whole multistream bz2 block
+itself (``process_block``), and returns each
 page's samples already encoded as tar bytes (``encode_page``): the driver, which writes in input order
 and alone, then only admits, counts and concatenates. ``ordered_map`` keeps a bounded window of tasks in
 flight and yields their results in input order, which is what makes the output independent of the
@@ -12,10 +13,11 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from data_prep.dumps import BadIndex, Block, BlockReader, TruncatedDump, skip_reason
+from data_prep.dumps import BadIndex, Block, BlockReader, DumpReader, TruncatedDump, skip_reason
 from data_prep.sentences import Passage, SplitStats, counted_sentences, pack_passages
 from data_prep.shards import encode_members, encode_meta
 from data_prep.wikitext import WikitextCleaner
@@ -53,9 +55,29 @@ class EncodedPage:
     stats: SplitStats
 
 
-# A task without an index carries the pages the driver read: up to this much wikitext (or one longer page),
-# so that a task's memory does not depend on the dump and the task overhead is paid per batch, not per page.
+# A batch of a dump without an index holds up to this much articles' wikitext (or one longer page), and up to
+# this many pages (a run of redirects has next to no text), so that a task's memory does not depend on the
+# dump and the task overhead is paid per batch, not per page.
 BATCH_CHARS = 1 << 20
+BATCH_PAGES = 10_000
+
+
+@dataclass
+class PageBatch:
+    """Consecutive pages of a dump read without an index: each page's id with its skip reason or its task.
+    ``bytes_read``: how far into the (compressed) file reading got; ``fault``: the ``TruncatedDump`` that
+    ended the reading, as (message, byte offset), on the last batch only."""
+
+    pages: list[tuple[int, str | PageTask]]
+    bytes_read: int
+    fault: tuple[str, int] | None = None
+
+
+@dataclass
+class BatchResult:
+    pages: list[tuple[int, str | EncodedPage]]  # (page id, skip reason or the encoded article), in file order
+    bytes_read: int
+    fault: tuple[str, int] | None = None
 
 
 @functools.lru_cache(maxsize=16)
@@ -98,21 +120,35 @@ def prepare_page(task: PageTask) -> EncodedPage:
     return encode_page(process_page(task))
 
 
-def process_pages(batch: list[PageTask]) -> list[EncodedPage]:
-    return [prepare_page(task) for task in batch]
+def read_batches(path: str, lang: str, media_prefixes: frozenset[str], category_prefixes: frozenset[str],
+                 passage_words: int) -> Iterator[PageBatch]:
+    """A dump without an index, read from the start in batches of up to ``BATCH_CHARS`` of articles' wikitext.
+    Runs where the dump is read: a Ray task of its own with ``--ray`` (so several dumps are read at once),
+    else the main process. Always ends with one batch (empty if need be) that says how reading ended."""
+    reader = DumpReader(path)
+    pages: list[tuple[int, str | PageTask]] = []
+    chars = 0
+    try:
+        for page in reader.pages():
+            # Duplicates of earlier inputs are only known in the main process: it drops their results.
+            reason = skip_reason(page)
+            size = 0 if reason is not None else len(page.text)
+            if len(pages) >= BATCH_PAGES or (chars and chars + size > BATCH_CHARS):
+                yield PageBatch(pages, reader.bytes_read)
+                pages, chars = [], 0
+            pages.append((page.page_id, reason or PageTask(lang, page.page_id, page.title, page.text, media_prefixes,
+                                                           category_prefixes, passage_words)))
+            chars += size
+    except TruncatedDump as err:
+        yield PageBatch(pages, reader.bytes_read, (err.message, err.byte_offset))
+        return
+    yield PageBatch(pages, reader.bytes_read)
 
 
-def batches(tasks: Iterator[PageTask]) -> Iterator[list[PageTask]]:
-    """Consecutive pages in batches of up to ``BATCH_CHARS`` of wikitext."""
-    batch, chars = [], 0
-    for task in tasks:
-        if batch and chars + len(task.text) > BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-        batch.append(task)
-        chars += len(task.text)
-    if batch:
-        yield batch
+def process_batch(batch: PageBatch) -> BatchResult:
+    """Process the articles of a batch. Runs in the worker processes."""
+    return BatchResult([(page_id, task if isinstance(task, str) else prepare_page(task))
+                        for page_id, task in batch.pages], batch.bytes_read, batch.fault)
 
 
 @dataclass
@@ -161,8 +197,9 @@ def process_block(task: BlockTask) -> BlockResult:
     return BlockResult(block, reader.end, results)
 
 
-def ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
-    """Like ``pool.imap`` but with at most ``window`` tasks in flight.
+def ordered_map(pool, fn, items: Iterator, window: int, gate: threading.Semaphore | None = None) -> Iterator:
+    """Like ``pool.imap`` but with at most ``window`` tasks in flight, and each of them holding a permit of
+    ``gate`` when given (one budget of tasks in flight shared by the maps that run side by side in threads).
 
     ``Pool.imap`` drains its input eagerly, which would pull a whole multi-GB dump into memory.
     """
@@ -170,9 +207,27 @@ def ordered_map(pool, fn, items: Iterator, window: int) -> Iterator:
         yield from map(fn, items)
         return
     pending: collections.deque = collections.deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+
+    def oldest():
+        task = pending.popleft()
+        try:
+            return task.get()
+        finally:
+            if gate is not None:
+                gate.release()
+
+    try:
+        for item in items:
+            # Wait for a permit only with nothing of ours in flight; else take our oldest result to free one:
+            # a map waiting for a permit while holding some would wait for the others forever if they did too.
+            while gate is not None and not gate.acquire(blocking=not pending):
+                yield oldest()
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= window:
+                yield oldest()
+        while pending:
+            yield oldest()
+    finally:  # stopped early (an error, the run aborted): the permits of what is left go back
+        if gate is not None:
+            for _ in pending:
+                gate.release()

@@ -392,6 +392,34 @@ def manifests(out: Path) -> dict[str, bytes]:
     return {stream: (out / stream / "manifest.json").read_bytes() for stream in STREAMS}
 
 
+def test_batches_without_index_are_bounded_and_say_how_reading_ended(sample_xml, tmp_path, monkeypatch):
+    """``read_batches`` (what reads a dump without an index, in a Ray task or the main process): every page
+    once, in file order, with its skip reason or its task; batches held to BATCH_PAGES pages and
+    BATCH_CHARS of articles' text (one longer page alone); a truncated dump's last batch carries the fault."""
+    from data_prep import wiki_tasks
+    from data_prep.dumps import DumpReader
+
+    monkeypatch.setattr(wiki_tasks, "BATCH_PAGES", 7)
+    monkeypatch.setattr(wiki_tasks, "BATCH_CHARS", 60_000)
+    whole = [(page.page_id, page.text) for page in DumpReader(str(SAMPLE)).pages()]
+    batches = list(wiki_tasks.read_batches(str(SAMPLE), "en", frozenset(), frozenset(), 200))
+    pages = [page for batch in batches for page in batch.pages]
+    assert [page_id for page_id, _ in pages] == [page_id for page_id, _ in whole]
+    assert sum(isinstance(task, str) for _, task in pages) == 100  # the sample's redirects
+    for batch in batches:
+        texts = [len(task.text) for _, task in batch.pages if not isinstance(task, str)]
+        assert len(batch.pages) <= 7 and (sum(texts) <= 60_000 or len(texts) == 1) and batch.fault is None
+    assert batches[-1].bytes_read == SAMPLE.stat().st_size and len(batches) > 206 / 7
+
+    cut = tmp_path / "cut.xml.bz2"
+    cut.write_bytes(bz2.compress(sample_xml[:len(sample_xml) // 2]))
+    batches = list(wiki_tasks.read_batches(str(cut), "en", frozenset(), frozenset(), 200))
+    assert all(batch.fault is None for batch in batches[:-1])
+    message, offset = batches[-1].fault
+    assert "XML ends or breaks early" in message and offset == cut.stat().st_size
+    assert 0 < sum(len(batch.pages) for batch in batches) < 206
+
+
 def test_multistream_index_matches_serial(multistream, sample_run, tmp_path):
     """Reading by bz2 block in 2 processes gives the shards and manifests of reading the dump serially."""
     dump, index, offsets = multistream

@@ -19,7 +19,7 @@ import pytest
 from clsys import storage
 from data_prep.sentences import SplitStats, count_words, split_sentences
 from data_prep.shards import read_manifest
-from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli
+from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli, write_multistream
 
 ZH_ARTICLES = {
     "长江": """{{Infobox river|name=长江|length=6300}}
@@ -272,7 +272,8 @@ def test_english_stream_as_in_a_single_language_run(multi_run, tmp_path):
 
 def test_folder_input_and_workers_identical(dumps, tmp_path):
     """A folder finds every dump under it (sub-folders too, indexes and other files left out); the output is
-    byte-identical to listing the dumps, with 1 or 2 workers."""
+    byte-identical to listing the dumps, with 1 or 2 workers (with 2, the four languages are prepared at the
+    same time)."""
     folder = tmp_path / "dumps"
     shutil.copytree(dumps, folder)
     (folder / "sub").mkdir()
@@ -287,6 +288,26 @@ def test_folder_input_and_workers_identical(dumps, tmp_path):
     a, b = files(tmp_path / "a"), files(tmp_path / "b")
     assert a == b and len(a) == 4 * 2 * 2  # 4 languages × 2 streams × (shard + manifest)
     assert "README" not in by_folder.stdout and list(summary_rows(by_folder.stdout))[:-1] == ["ar", "ja", "he", "zh"]
+
+
+def test_a_language_failing_stops_the_run(tmp_path):
+    """English and Chinese prepared at the same time; Chinese's index lists a wrong page id (found while its
+    first block is read, English still being read): the run stops with that error, exit 2, and no manifest
+    is written for either language."""
+    (tmp_path / "zh").mkdir()
+    (tmp_path / "en").mkdir()
+    en_dump, en_index, _ = write_multistream(bz2.decompress(SAMPLE.read_bytes()), tmp_path / "en")
+    zh_dump, zh_index, _ = write_multistream(DUMPS[LANGS["zh"]], tmp_path / "zh", 2)
+    lines = bz2.decompress(zh_index.read_bytes()).decode().splitlines(keepends=True)
+    offset, page_id, title = lines[1].split(":", 2)
+    lines[1] = f"{offset}:{int(page_id) + 1}:{title}"
+    wrong = tmp_path / "wrong-index.txt"
+    wrong.write_text("".join(lines))
+    result = run_cli("--input", en_dump, zh_dump, "--index", en_index, wrong, "--out", tmp_path / "out",
+                     "--workers", "2")
+    assert result.returncode == 2, result.stderr
+    assert f"error: {wrong}:2: " in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not list((tmp_path / "out").rglob("manifest.json"))
 
 
 def test_layout_option(dumps, tmp_path):

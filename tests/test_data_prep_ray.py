@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bz2
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def english(bucket, tmp_path_factory) -> tuple[str, str, dict[str, bytes]]:
 
 @pytest.mark.parametrize("by_block", [True, False], ids=["index", "no_index"])
 def test_ray_from_s3_equals_serial(by_block, english, bucket, ray_env):
-    """With the index, tasks read their bz2 block from S3; without, the driver streams the dump and tasks
+    """With the index, tasks read their bz2 block from S3; without, a streaming task reads the dump and tasks
     parse batches of its pages."""
     dump, index, serial = english
     out = f"{bucket}/ray-en-{by_block}"
@@ -81,15 +82,18 @@ def test_ray_from_s3_equals_serial(by_block, english, bucket, ray_env):
     assert (source["status"], source["pages_read"]) == ("complete", 60)
 
 
-@pytest.mark.parametrize("how", ["raise", "exit"])
-def test_failed_task_is_retried(how, english, bucket, ray_env, tmp_path):
+@pytest.mark.parametrize("how,by_block", [("raise", True), ("exit", True), ("exit", False)],
+                         ids=["raise", "exit", "exit_reading_no_index"])
+def test_failed_task_is_retried(how, by_block, english, bucket, ray_env, tmp_path):
     """One task fails (a storage error its retries did not outlive; its worker process dying): Ray runs it
-    again, and the output is still the one-process run's."""
+    again, and the output is still the one-process run's. Without the index the first task is the one
+    that reads the dump (the others parse what it yields): it dies after nothing or part of its batches
+    were taken, is run again from the start, and no batch arrives twice."""
     dump, index, serial = english
     marker = tmp_path / "fault"
-    out = f"{bucket}/retried-{how}"
-    result = run_cli("--input", dump, "--index", index, "--out", out, "--shard-size-mb", SHARD_MB, "--ray",
-                     env={**ray_env, FAULT_ENV: f"{how}:{marker}"})
+    out = f"{bucket}/retried-{how}-{by_block}"
+    result = run_cli("--input", dump, *(("--index", index) if by_block else ()), "--out", out,
+                     "--shard-size-mb", SHARD_MB, "--ray", env={**ray_env, FAULT_ENV: f"{how}:{marker}"})
     assert result.returncode == 0, result.stderr
     assert marker.exists()  # the fault did fire
     assert objects(out) == serial
@@ -139,3 +143,36 @@ def test_several_languages_in_one_ray_run(english, bucket, ray_env, tmp_path):
     for lang in ("ar", "en", "ja", "zh"):
         manifest = json.loads(written[f"/{lang}/sentences/manifest.json"])
         assert manifest["languages"] == [lang] and manifest["samples"] > 0
+
+
+def test_dumps_without_index_are_read_at_once(bucket, ray_env, tmp_path):
+    """Four languages without an index (English: the whole bundled sample, six batches; one of them cut short):
+    each dump is read by a streaming task of its own, the four started together (Ray's task records), and the
+    output, the truncation report included, is the one-process run's."""
+    from ray.util.state import list_tasks
+
+    dumps = [f"{bucket}/plain/enwiki-20261101-pages-articles.xml.bz2"]
+    storage.upload_file(str(SAMPLE), dumps[0])
+    for lang in ("zh", "ja", "ar"):
+        xml = DUMPS[LANGS[lang]]
+        if lang == "ja":  # the XML breaks off after its first page
+            xml = xml[:xml.index(b"</page>") + 20]
+        dumps.append(f"{bucket}/plain/{LANGS[lang]}")
+        (tmp_path / lang).write_bytes(bz2.compress(xml))
+        storage.upload_file(str(tmp_path / lang), dumps[-1])
+    serial = run_cli("--input", *dumps, "--out", f"{bucket}/plain-serial")
+    started = time.time() * 1000
+    ray = run_cli("--input", *dumps, "--out", f"{bucket}/plain-ray", "--ray", env=ray_env)
+    assert serial.returncode == ray.returncode == 3, (serial.stderr, ray.stderr)
+    written = objects(f"{bucket}/plain-ray")
+    assert written == objects(f"{bucket}/plain-serial")
+    (source,) = json.loads(written["/ja/sentences/manifest.json"])["sources"]
+    assert (source["status"], source["pages_read"]) == ("truncated", 1)
+
+    readers = [task for task in list_tasks(address=ray_env["RAY_API_SERVER_ADDRESS"], detail=True, limit=10_000,
+                                           filters=[("func_or_class_name", "=", "_stream_task")])
+               if task.creation_time_ms >= started]
+    assert len(readers) == 4
+    # At once: every reader was started before any of them ended (one after another, each would start
+    # only once the previous language is written).
+    assert max(task.creation_time_ms for task in readers) < min(task.end_time_ms for task in readers)
