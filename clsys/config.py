@@ -236,6 +236,8 @@ class Config:
             ("train.zero_stage", t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
             ("train.steps", t.steps > 0, "> 0"),
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
+            ("train.log_every", t.log_every > 0, "> 0"),
+            ("eval.every", self.eval.every > 0, "> 0 (an evaluation also runs at step 0 and the last step)"),
             ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
             ("train.collapse_uniformity", t.collapse_uniformity <= 0, "<= 0 (0 = off; uniformity is at most 0)"),
             ("train.peak_tflops", t.peak_tflops >= 0, ">= 0 (0 = the data-sheet peak of a known GPU)"),

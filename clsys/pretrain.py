@@ -108,6 +108,7 @@ def init_ray(cfg: Config) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
         print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+        warn_if_no_node_fits_a_worker(cfg.cluster, [node["Resources"] for node in ray.nodes() if node["Alive"]])
         return
     cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
     # Ray Train's placement-group cleaner asks the State API (served by the dashboard) whether the
@@ -122,6 +123,17 @@ def init_ray(cfg: Config) -> None:
              dashboard_port=port, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
           "(set RAY_ADDRESS to join one)", flush=True)
+
+
+def warn_if_no_node_fits_a_worker(cluster, nodes: list[dict[str, float]]) -> None:
+    """Ray Train waits, silently, until a node has a worker's resources: say so when none has them now (an
+    autoscaler may still add one), e.g. workers of 2 CPUs on cluster/local.sh's 1-CPU nodes."""
+    need = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if cluster.use_gpu else {})}
+    if not any(all(node.get(key, 0) >= amount for key, amount in need.items()) for node in nodes):
+        most = max((node.get("CPU", 0) for node in nodes), default=0)
+        print(f"[clsys] warning: no node of this cluster has {need} for a worker (the most CPUs on a node: "
+              f"{most:g}); training waits until one joins. Set cluster.cpus_per_worker (and cluster.num_workers) "
+              "to what the nodes have.", file=sys.stderr, flush=True)
 
 
 def free_loopback_port() -> int:

@@ -188,12 +188,32 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
     captured = {}
     monkeypatch.setattr(ray, "init", lambda *a, **kw: captured.update(kw))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
     pretrain.init_ray(load_config("quickstart"))
     driver_env = RuntimeEnv(**captured["runtime_env"])
     assert _merge_runtime_env(RuntimeEnv(**job_env), driver_env) is not None
     assert "RAY_TRAIN_ENABLE_PRINT_PATCH" in driver_env["env_vars"]
     # ...and the check bites: a driver repeating one of the job's variables is refused.
     assert _merge_runtime_env(RuntimeEnv(**job_env), RuntimeEnv(env_vars={"PYTHONUNBUFFERED": "1"})) is None
+
+
+def test_joining_a_cluster_without_a_node_for_a_worker_warns(capsys):
+    """Workers of 2 CPUs (the quickstart's faster setting on 2 cores) on cluster/local.sh's 1-CPU nodes: Ray
+    Train would wait without a word; the driver says why and what to set. A node with the resources is quiet."""
+    from clsys.config import load_config
+    from clsys.pretrain import warn_if_no_node_fits_a_worker
+
+    two_cpus = load_config("quickstart", ["cluster.num_workers=1", "cluster.cpus_per_worker=2"]).cluster
+    gpu = load_config("quickstart", ["cluster.use_gpu=true"]).cluster
+    warn_if_no_node_fits_a_worker(two_cpus, [{"CPU": 1.0}, {"CPU": 1.0}])
+    err = capsys.readouterr().err
+    assert "no node of this cluster has {'CPU': 2} for a worker (the most CPUs on a node: 1)" in err
+    assert "cluster.cpus_per_worker" in err
+    warn_if_no_node_fits_a_worker(two_cpus, [{"CPU": 1.0}, {"CPU": 4.0}])
+    warn_if_no_node_fits_a_worker(gpu, [{"CPU": 8.0, "GPU": 1.0}])
+    assert capsys.readouterr().err == ""
+    warn_if_no_node_fits_a_worker(gpu, [{"CPU": 8.0}])
+    assert "'GPU': 1" in capsys.readouterr().err
 
 
 def test_working_dir_upload_is_small(tmp_path):
