@@ -82,13 +82,13 @@ def test_ray_from_s3_equals_serial(by_block, english, bucket, ray_env):
     assert (source["status"], source["pages_read"]) == ("complete", 60)
 
 
-@pytest.mark.parametrize("how,by_block", [("raise", True), ("exit", True), ("exit", False)],
-                         ids=["raise", "exit", "exit_reading_no_index"])
+@pytest.mark.parametrize("how,by_block", [("raise", True), ("exit", True), ("raise", False), ("exit", False)],
+                         ids=["raise", "exit", "raise_reading_no_index", "exit_reading_no_index"])
 def test_failed_task_is_retried(how, by_block, english, bucket, ray_env, tmp_path):
     """One task fails (a storage error its retries did not outlive; its worker process dying): Ray runs it
     again, and the output is still the one-process run's. Without the index the first task is the one
-    that reads the dump (the others parse what it yields): it dies after nothing or part of its batches
-    were taken, is run again from the start, and no batch arrives twice."""
+    that reads the dump (the others parse what it yields): it fails, is run again from the start, and no
+    batch arrives twice."""
     dump, index, serial = english
     marker = tmp_path / "fault"
     out = f"{bucket}/retried-{how}-{by_block}"
