@@ -197,12 +197,12 @@ def run_data_prep(path: Path, workers: int, work: Path, residue: bool = True) ->
     return run, pages, articles, residue
 
 
-def run_by_block(path: Path, work: Path, ray_address: str | None = None,
-                 index: bool = True) -> tuple[Run, int, int, bytes]:
+def ray_comparison_run(path: Path, work: Path, ray_address: str | None = None,
+                       index: bool = True) -> tuple[Run, int, int, bytes]:
     """(run, pages, articles, its two manifests) of ``data_prep wiki --index`` on a multistream dump (or of
     ``data_prep wiki`` on a dump without an index when not ``index``): in one process, or as Ray tasks on
     the cluster at ``ray_address`` (joined as `ray job submit` would)."""
-    out = work / f"data_prep-by-block-{'ray' if ray_address else '1proc'}"
+    out = work / f"data_prep-ray-comparison-{'ray' if ray_address else '1proc'}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "data_prep", "wiki", "--input", str(path), "--out", str(out)]
     if index:
@@ -229,10 +229,10 @@ def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
     with local_ray_cluster(2) as address:
         ones, rays = [], []
         for _ in range(repeat):
-            ones.append(run_by_block(big, work))
-            rays.append(run_by_block(big, work, address))
-        on_ray_small = run_by_block(small, work, address)
-        on_ray_plain = min((run_by_block(plain, work, address, index=False) for _ in range(repeat)),
+            ones.append(ray_comparison_run(big, work))
+            rays.append(ray_comparison_run(big, work, address))
+        on_ray_small = ray_comparison_run(small, work, address)
+        on_ray_plain = min((ray_comparison_run(plain, work, address, index=False) for _ in range(repeat)),
                            key=lambda run: run[0].wall_s)
     one, on_ray = (min(runs, key=lambda run: run[0].wall_s) for runs in (ones, rays))
     checks = (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta), ("ray no index", on_ray_plain, plain_meta))

@@ -35,7 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 from clsys import integrity, storage  # noqa: E402
-from clsys.config import Config, ConfigError, load_config, run_url  # noqa: E402
+from clsys.config import ClusterConfig, Config, ConfigError, load_config, run_url  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
 from clsys.lease import LEASE, Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
@@ -125,7 +125,7 @@ def init_ray(cfg: Config) -> None:
           "(set RAY_ADDRESS to join one)", flush=True)
 
 
-def warn_if_no_node_fits_a_worker(cluster, nodes: list[dict[str, float]]) -> None:
+def warn_if_no_node_fits_a_worker(cluster: ClusterConfig, nodes: list[dict[str, float]]) -> None:
     """Ray Train waits, silently, until a node has a worker's resources: say so when none has them now (an
     autoscaler may still add one), e.g. workers of 2 CPUs on cluster/local.sh's 1-CPU nodes."""
     need = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if cluster.use_gpu else {})}

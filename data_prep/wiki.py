@@ -151,7 +151,8 @@ class WikiJob:
             elif self.admit(report, page_id, None):
                 self.write(outcome)
 
-    def read_pages(self, pool, slots: int, gate, reader: DumpReader, report: SourceReport, n_dumps: int) -> None:
+    def read_pages(self, pool, slots: int, gate: threading.Semaphore, reader: DumpReader, report: SourceReport,
+                   n_dumps: int) -> None:
         """A dump without an index: read in batches (``read_batches``) by a streaming Ray task of its own with
         ``--ray``, else by this process; the batches' articles processed by the workers."""
         info = reader.siteinfo
@@ -169,8 +170,8 @@ class WikiJob:
                 report.status = "truncated"
                 report.error, report.byte_offset = result.fault
 
-    def read_blocks(self, pool, slots: int, gate, reader: DumpReader, index: str, report: SourceReport,
-                    n_dumps: int) -> None:
+    def read_blocks(self, pool, slots: int, gate: threading.Semaphore, reader: DumpReader, index: str,
+                    report: SourceReport, n_dumps: int) -> None:
         """A multistream dump with its index: workers read one bz2 stream each; blocks are written in file order.
 
         Each stream must end where the next listed one starts, and the last one where the closing stream starts,
@@ -262,7 +263,7 @@ class WikiJob:
             if pool is not None:
                 pool.terminate()
 
-    def run_folder(self, pool, slots: int, gate, folder: str, dumps: list, n_dumps: int) -> None:
+    def run_folder(self, pool, slots: int, gate: threading.Semaphore, folder: str, dumps: list, n_dumps: int) -> None:
         """One output folder's dumps in input order; its streams are closed after the last one, so that its
         shuffle windows (up to --shuffle-window-mb per stream) are written out then, not held until every
         language is read."""

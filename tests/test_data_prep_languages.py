@@ -19,7 +19,8 @@ import pytest
 from clsys import storage
 from data_prep.sentences import SplitStats, count_words, split_sentences
 from data_prep.shards import read_manifest
-from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli, write_multistream
+from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli
+from test_data_prep_multistream import write_multistream
 
 ZH_ARTICLES = {
     "长江": """{{Infobox river|name=长江|length=6300}}

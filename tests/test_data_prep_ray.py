@@ -15,7 +15,8 @@ import pytest
 from clsys import storage
 from conftest import loopback_ray_cluster
 from data_prep.ray_pool import FAULT_ENV
-from test_data_prep import SAMPLE, run_cli, small_dump, write_multistream
+from test_data_prep import SAMPLE, run_cli, small_dump
+from test_data_prep_multistream import write_multistream
 from test_data_prep_languages import DUMPS, LANGS
 
 SHARD_MB = "0.05"  # several shards a stream, so that their order matters
