@@ -36,22 +36,25 @@ Prints a table, the residue line (target: data_prep's share at most WikiExtracto
 lines (targets: data_prep ≥ 1× WikiExtractor per CPU-second, big/small peak memory ≈ 1). Not part of
 the test suite.
 
-Then (alone with ``--ray-only``) ``--ray``: the same pages as a Wikimedia multistream dump with its index
-(100 pages a bz2 stream, cached too), read with ``--index`` by one process and by ``--ray`` on a local
-Ray cluster of 2 CPUs on 127.0.0.1 started beforehand by this script (as a cluster is there before `ray
-job submit`: its agents done starting, its object store sized as `ray start` sizes it; the run joins it
-through RAY_ADDRESS, and the cluster starts the job's workers), --repeat times each, alternating, a row
-being the run with the least wall time; then by ``--ray`` on the --small-mb dump. The cluster's workers run at nice 0
-like the one-process run (Ray's default is 15). The Ray rows give the driver's CPU (its tree) and the
-workers' (psutil, read every 0.5 s: they exit with the job), and the largest peak RSS of a worker (the
-kernel's VmHWM, reset before each run), i.e. of a task; both runs' manifests must be identical. These
-runs' trees are not sampled for PSS (that costs a few percent of a core, which the Ray run, keeping both
-cores busy, would pay and the one-process run would not). Ratio
-lines: ``ray_2cpu_over_1proc`` (wall time; target ≥ 1.8) and ``ray_task_peak_rss_big_over_small``
-(target ≈ 1). Last, ``--ray`` on the same pages in a dump without an index (a streaming task reads it, the
-driver only admits and writes), --repeat times, fastest kept: ``ray_no_index_total_cpu_over_driver_cpu``
-is the run's CPU over its driver's, the most a cluster can speed up when several such dumps are read at
-once (the driver, one process, being the part that does not spread).
+Then (alone with ``--ray-only``) ``--ray``: the same pages as Wikimedia multistream dumps with their index
+(100 pages a bz2 stream, cached too), of --dump-mb and --small-mb MB, each read with ``--index`` by one
+process and by ``--ray`` on a local Ray cluster of 2 CPUs on 127.0.0.1 started beforehand by this script
+(as a cluster is there before `ray job submit`: its agents done starting, its object store sized as `ray
+start` sizes it; the run joins it through RAY_ADDRESS, and the cluster starts the job's workers), --repeat
+times each, alternating, a row being the run with the least wall time. The cluster's workers run at nice 0
+like the one-process run (Ray's default is 15). The Ray rows give the driver's CPU (its tree), the
+workers' (psutil, read every 0.5 s: they exit with the job), the core-seconds the machine spent idle
+(/proc/stat) and the rest of 2 × wall ("other": Ray's daemons, this script's polling, anything else on the
+machine): where the Ray run's core-seconds went; and the largest peak RSS of a worker (the kernel's VmHWM,
+reset before each run), i.e. of a task. All runs' manifests of a dump must be identical. These runs' trees
+are not sampled for PSS (that costs a few percent of a core, which the Ray run, keeping both cores busy,
+would pay and the one-process run would not). From the two sizes, each way's wall time is split into a
+fixed part and a part per MB. Ratio lines: ``ray_2cpu_over_1proc`` (wall time on the big dump; target ≥
+1.8), ``ray_2cpu_over_1proc_per_mb`` (the per-MB parts: what much bigger dumps approach) and
+``ray_task_peak_rss_big_over_small`` (target ≈ 1). Last, ``--ray`` on the same pages in a dump without an
+index (a streaming task reads it, the driver only admits and writes), --repeat times, fastest kept:
+``ray_no_index_total_cpu_over_driver_cpu`` is the run's CPU over its driver's, the most a cluster can speed
+up when several such dumps are read at once (the driver, one process, being the part that does not spread).
 """
 from __future__ import annotations
 
@@ -218,44 +221,66 @@ def ray_comparison_run(path: Path, work: Path, ray_address: str | None = None,
 
 
 def ray_comparison(work: Path, mb: float, small_mb: float, repeat: int) -> None:
-    """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dump, ``repeat`` times
-    each, alternating (a row is the run with the least wall time); the Ray workers' peak memory on a dump
-    ``small_mb`` big, to show that it does not grow with the dump; and ``--ray`` on the same pages in a dump
-    without an index (read by a streaming task: the driver's CPU is what bounds a big cluster's speed)."""
-    big, meta = dump(work, mb, multistream=True)
-    small, small_meta = dump(work, small_mb, multistream=True)
+    """``--ray`` on a 2-CPU local cluster against one process, on the same multistream dumps (``mb`` and
+    ``small_mb`` big), ``repeat`` times each, alternating (a row is the run with the least wall time): the
+    speed-up, where the Ray run's core-seconds go, its cost split into a fixed part and a part per MB (from
+    the two sizes), and the Ray workers' peak memory on both sizes, to show that it does not grow with the
+    dump; then ``--ray`` on the same pages in a dump without an index (read by a streaming task: the
+    driver's CPU is what bounds a big cluster's speed)."""
+    sizes = {"big": dump(work, mb, multistream=True), "small": dump(work, small_mb, multistream=True)}
     plain, plain_meta = dump(work, mb)
     load = os.getloadavg()[0]
+    runs: dict[tuple[str, str], list] = {(size, way): [] for size in sizes for way in ("one", "ray")}
     with local_ray_cluster(2) as address:
-        ones, rays = [], []
         for _ in range(repeat):
-            ones.append(ray_comparison_run(big, work))
-            rays.append(ray_comparison_run(big, work, address))
-        on_ray_small = ray_comparison_run(small, work, address)
+            for size, (path, _) in sizes.items():
+                runs[size, "one"].append(ray_comparison_run(path, work))
+                runs[size, "ray"].append(ray_comparison_run(path, work, address))
         on_ray_plain = min((ray_comparison_run(plain, work, address, index=False) for _ in range(repeat)),
                            key=lambda run: run[0].wall_s)
-    one, on_ray = (min(runs, key=lambda run: run[0].wall_s) for runs in (ones, rays))
-    checks = (("ray", on_ray, meta), ("ray small", on_ray_small, small_meta), ("ray no index", on_ray_plain, plain_meta))
-    for label, (run, pages, articles, manifests), want in checks:
+    fastest = {key: min(found, key=lambda run: run[0].wall_s)[0] for key, found in runs.items()}
+    checks = [(f"{way} {size}", run, sizes[size][1]) for (size, way), found in runs.items() for run in found]
+    for label, (run, pages, articles, manifests), want in [*checks, ("ray no index", on_ray_plain, plain_meta)]:
         if (pages, articles) != (want["pages"], want["articles"]):
             sys.exit(f"data_prep_throughput: {label}: {pages} pages, {articles} articles, expected {want['pages']}, "
                      f"{want['articles']}")
-    if len({run[3] for run in ones + rays}) != 1:
-        sys.exit("data_prep_throughput: the manifests of the Ray runs and the one-process runs differ")
-    xml_mb = meta["xml_bytes"] / MB
-    print(f"\nmultistream dump {big} (+ index): {xml_mb:.1f} MB XML, {meta['pages']} pages; {os.cpu_count()} CPU "
-          f"cores, load average {load:.1f} at start; manifests of all runs identical; each row the least wall "
-          f"time of {repeat} runs, alternating")
-    print(f"{'data_prep wiki':<34} {'wall s':>7} {'pages/s':>8} {'MB/s':>6} {'driver CPU s':>12} "
-          f"{'tasks CPU s':>11} {'driver RSS MB':>13} {'task RSS MB':>11}")
-    for label, run in (("--index, one process", one[0]), ("--index --ray, 2-CPU local cluster", on_ray[0]),
-                       ("--ray without index, same pages", on_ray_plain[0])):
-        print(f"{label:<34} {run.wall_s:>7.1f} {meta['pages'] / run.wall_s:>8.1f} {xml_mb / run.wall_s:>6.2f} "
-              f"{run.cpu_s:>12.1f} {run.task_cpu_s:>11.1f} {run.max_rss_mb:>13.0f} {run.task_rss_mb:>11.0f}")
-    print(f"memory check: --ray on {small_meta['xml_bytes'] / MB:.1f} MB: largest Ray worker peak RSS "
-          f"{on_ray_small[0].task_rss_mb:.0f} MB; on {xml_mb:.1f} MB: {on_ray[0].task_rss_mb:.0f} MB")
-    print(f"ratio ray_2cpu_over_1proc {one[0].wall_s / on_ray[0].wall_s:.2f}")
-    print(f"ratio ray_task_peak_rss_big_over_small {on_ray[0].task_rss_mb / on_ray_small[0].task_rss_mb:.2f}")
+    for size in sizes:
+        if len({run[3] for run in runs[size, "one"] + runs[size, "ray"]}) != 1:
+            sys.exit(f"data_prep_throughput: the manifests of the Ray runs and the one-process runs differ ({size} dump)")
+    meta = sizes["big"][1]
+    xml_mb = {size: found[1]["xml_bytes"] / MB for size, found in sizes.items()}
+    print(f"\nmultistream dumps (+ index) of {xml_mb['big']:.1f} and {xml_mb['small']:.1f} MB XML ({meta['pages']} and "
+          f"{sizes['small'][1]['pages']} pages); {os.cpu_count()} CPU cores, load average {load:.1f} at start; "
+          f"manifests of all runs of a dump identical; each row the least wall time of {repeat} runs, alternating")
+    print(f"{'data_prep wiki':<42} {'wall s':>7} {'MB/s':>6} {'driver CPU s':>12} {'tasks CPU s':>11} "
+          f"{'idle core-s':>11} {'other core-s':>12} {'driver RSS MB':>13} {'task RSS MB':>11}")
+    one, on_ray = "--index, one process", "--index --ray, 2-CPU local cluster"
+    rows = [(one, "big", fastest["big", "one"]), (on_ray, "big", fastest["big", "ray"]),
+            (one, "small", fastest["small", "one"]), (on_ray, "small", fastest["small", "ray"]),
+            ("--ray without index", "big", on_ray_plain[0])]
+    for label, size, run in rows:
+        idle = other = "-"
+        if run.task_cpu_s:  # a Ray run: where its cores' time went besides the driver and the tasks
+            idle = f"{run.idle_core_s:.1f}"
+            # Ray's daemons and anything else running on the machine
+            other = f"{os.cpu_count() * run.wall_s - run.cpu_s - run.task_cpu_s - run.idle_core_s:.1f}"
+        print(f"{f'{label}, {xml_mb[size]:.0f} MB':<42} {run.wall_s:>7.1f} {xml_mb[size] / run.wall_s:>6.2f} "
+              f"{run.cpu_s:>12.1f} {run.task_cpu_s:>11.1f} {idle:>11} {other:>12} {run.max_rss_mb:>13.0f} "
+              f"{run.task_rss_mb:>11.0f}")
+    # Wall time = a fixed part (start-up: joining the cluster, the job's workers starting; the end: the last
+    # windows written) + a part per MB, from the two sizes: the per-MB parts' ratio is what --ray approaches on
+    # dumps much bigger than these.
+    per_mb = {way: (fastest["big", way].wall_s - fastest["small", way].wall_s) / (xml_mb["big"] - xml_mb["small"])
+              for way in ("one", "ray")}
+    fixed = {way: fastest["small", way].wall_s - per_mb[way] * xml_mb["small"] for way in per_mb}
+    print(f"wall = fixed + per MB: one process {fixed['one']:.2f} s + {per_mb['one'] * 1000:.1f} ms/MB; "
+          f"--ray {fixed['ray']:.2f} s + {per_mb['ray'] * 1000:.1f} ms/MB")
+    task_rss = {size: max(run[0].task_rss_mb for run in runs[size, "ray"]) for size in sizes}
+    print(f"memory check: largest Ray worker peak RSS on {xml_mb['small']:.1f} MB {task_rss['small']:.0f} MB, on "
+          f"{xml_mb['big']:.1f} MB {task_rss['big']:.0f} MB")
+    print(f"ratio ray_2cpu_over_1proc {fastest['big', 'one'].wall_s / fastest['big', 'ray'].wall_s:.2f}")
+    print(f"ratio ray_2cpu_over_1proc_per_mb {per_mb['one'] / per_mb['ray']:.2f}")
+    print(f"ratio ray_task_peak_rss_big_over_small {task_rss['big'] / task_rss['small']:.2f}")
     # What a cluster of any size can do at most on dumps without an index: the driver's share is serial.
     print(f"ratio ray_no_index_total_cpu_over_driver_cpu "
           f"{(on_ray_plain[0].cpu_s + on_ray_plain[0].task_cpu_s) / on_ray_plain[0].cpu_s:.1f}")

@@ -31,6 +31,14 @@ class Run:
     stdout: str
     task_rss_mb: float = 0.0  # Ray runs: the largest peak RSS of a worker process, i.e. per task
     task_cpu_s: float = 0.0  # Ray runs: user + system of the worker processes (the tree's CPU is the driver's)
+    idle_core_s: float = 0.0  # core-seconds the whole machine spent idle during the run (/proc/stat)
+
+
+def machine_idle_s() -> float:
+    """Core-seconds this machine has spent idle (idle + iowait) since it booted."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()  # "cpu user nice system idle iowait ...", in clock ticks
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
@@ -72,7 +80,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None,
             with open(f"/proc/{task.pid}/clear_refs", "w") as clear:
                 clear.write("5")  # VmHWM := the current RSS
     with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as err:
-        start = time.perf_counter()
+        start, idle_before = time.perf_counter(), machine_idle_s()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env)
         root = psutil.Process(proc.pid)
 
@@ -92,7 +100,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None,
         # wait4, not Popen.wait: its rusage covers the child and every descendant it reaped (both
         # tools join their workers), which is the tree's CPU time and its largest process's peak RSS.
         _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
+        wall, idle = time.perf_counter() - start, machine_idle_s() - idle_before
         proc.returncode = os.waitstatus_to_exitcode(status)
         stop.set()
         poller.join()
@@ -100,7 +108,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None,
         sys.exit(f"{Path(sys.argv[0]).stem}: {' '.join(cmd)} exited {proc.returncode}:\n"
                  f"{log.with_suffix('.err').read_text()[-3000:]}")
     return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, peak["pss"] / 2**20,
-               peak["procs"], log.with_suffix(".out").read_text(), peak["task_rss"] / 2**20, sum(task_cpu.values()))
+               peak["procs"], log.with_suffix(".out").read_text(), peak["task_rss"] / 2**20, sum(task_cpu.values()), idle)
 
 
 @contextlib.contextmanager
