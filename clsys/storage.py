@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -83,6 +84,9 @@ def is_local(url: str) -> bool:
     return parse(url).scheme == "file"
 
 
+_CLIENT_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def _s3_client(pid: int):
     # One client per process (boto3 clients are not fork-safe, hence the pid in the cache key).
@@ -100,7 +104,10 @@ def _s3_client(pid: int):
 
 
 def s3_client():
-    return _s3_client(os.getpid())
+    # Threads (data_prep's shard uploads) may ask at once: boto3's default session must not build two clients
+    # at the same time.
+    with _CLIENT_LOCK:
+        return _s3_client(os.getpid())
 
 
 def _s3_error(url: str, err: Exception) -> StorageError:
@@ -266,10 +273,12 @@ def write_file(url: str, fill) -> None:
 def staging_path(url: str, tmp_dir: str) -> str:
     """Where to build a file bound for ``url`` before ``publish_staged`` puts it there: beside the
     destination when it is local (publishing is then a rename: the bytes are written once), else in
-    ``tmp_dir`` (publishing uploads it)."""
+    ``tmp_dir`` (publishing uploads it), under a name made of the whole URL: files bound for different
+    folders share ``tmp_dir`` (data_prep's streams are each other's ``shard-000000.tar``)."""
     loc = parse(url)
     if loc.scheme != "file":
-        return os.path.join(tmp_dir, f"{os.path.basename(loc.path)}.tmp-{os.getpid()}")
+        digest = hashlib.sha256(str(loc).encode()).hexdigest()[:16]
+        return os.path.join(tmp_dir, f"{os.path.basename(loc.path)}.{digest}.tmp-{os.getpid()}")
     try:
         os.makedirs(os.path.dirname(loc.path), exist_ok=True)
     except OSError as err:

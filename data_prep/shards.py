@@ -14,6 +14,7 @@ concatenates them (``ShardWriter.write_encoded``) instead of building every head
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -22,6 +23,7 @@ import os
 import random
 import sys
 import tarfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, NoReturn
 
@@ -57,6 +59,11 @@ _ZEROS = bytes(512)
 # Samples are written (and hashed) in runs of this many: one call per sample costs more in Python than
 # the copy, and one run for a whole shard would allocate (and fault in) its size in fresh memory.
 _SAMPLES_PER_WRITE = 256
+# Finished shards being published (uploaded, or flushed to disk and renamed into place) by a writer's
+# background threads at once. An upload is network time, not CPU: done in line, it stopped the writer, and
+# with it the one process that writes a data_prep run's shards, for a 64 MiB shard at a time. More finished
+# shards than this wait for the oldest, which bounds the staged files (on local disk, for object storage).
+PUBLISHING = 4
 
 
 def ustar_header(name: str, size: int) -> bytes:
@@ -102,8 +109,10 @@ class ShardWriter:
     """Writes samples (``key`` + ``txt`` + ``json``, plus any ``extra`` members) into rolling tar shards under ``url``.
 
     A shard is built beside its destination when that is local (and renamed into place when full), else
-    in ``tmp_dir`` (and uploaded when full), and hashed as it is written; ``previous`` maps shard names
-    to the sha256 the existing manifest lists, to skip re-uploading identical shards.
+    in ``tmp_dir`` (and uploaded when full), and hashed as it is written. Publishing a full shard (the
+    upload, or the flush to disk and the rename) runs in background threads, up to ``PUBLISHING`` shards at
+    once, while the next one is written; ``close`` waits for them. ``previous`` maps shard names to the
+    sha256 the existing manifest lists, to skip re-uploading identical shards.
 
     ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar) have come,
     then written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
@@ -137,6 +146,9 @@ class ShardWriter:
     _window: list[bytes] = field(default_factory=list, init=False, repr=False)
     _window_size: int = field(default=0, init=False, repr=False)
     _windows: int = field(default=0, init=False, repr=False)
+    # Finished shards still being published, oldest first, and the threads that publish them.
+    _publishing: collections.deque[Future] = field(default_factory=collections.deque, init=False, repr=False)
+    _publisher: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     @property
     def samples(self) -> int:
@@ -198,12 +210,13 @@ class ShardWriter:
             done += fit
 
     def close(self) -> None:
-        """Write what the shuffle window holds and finish the shard being filled; a later ``write``
-        starts the next one."""
+        """Write what the shuffle window holds, finish the shard being filled and wait until every shard is
+        published (a ``StorageError`` names the first that failed); a later ``write`` starts the next one."""
         if self._window:
             self._write_window()
         if self._tar is not None:
             self._finish()
+        self._wait_published()
 
     def _shard_url(self) -> str:
         return storage.join(self.url, f"shard-{len(self.shards):06d}.tar")
@@ -235,19 +248,47 @@ class ShardWriter:
             self._tar.close()
         except OSError as err:
             self._fail(err)
-        dest = self._shard_url()
-        info = ShardInfo(name=dest.rsplit("/", 1)[-1], samples=self._samples, bytes=os.path.getsize(self._path),
+        dest, staged = self._shard_url(), self._path
+        info = ShardInfo(name=dest.rsplit("/", 1)[-1], samples=self._samples, bytes=os.path.getsize(staged),
                          sha256=self._sha.hexdigest())
+        self.shards.append(info)
+        self._tar, self._sha, self._samples, self._size = None, None, 0, 0
         if self.previous.get(info.name) == info.sha256 and storage.exists(dest):
             self.unchanged += 1
-            storage.discard_staged(self._path)
+            storage.discard_staged(staged)
             print(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped", file=sys.stderr)
         else:
             self._remove_old_manifest()
-            storage.publish_staged(self._path, dest)
             self.uploaded += 1
-        self.shards.append(info)
-        self._tar, self._sha, self._samples, self._size = None, None, 0, 0
+            self._publish(staged, dest)  # may raise an earlier shard's failed upload: this one is done with
+
+    def _publish(self, staged: str, dest: str) -> None:
+        """``storage.publish_staged`` in a background thread, while the next shard is written. An upload that
+        failed is raised here (by a later call) or by ``close``, once the others under way have ended."""
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(PUBLISHING, thread_name_prefix="shard-publish")
+        self._publishing.append(self._publisher.submit(storage.publish_staged, staged, dest))
+        while self._publishing and (self._publishing[0].done() or len(self._publishing) > PUBLISHING):
+            self._take_published()
+
+    def _wait_published(self) -> None:
+        while self._publishing:
+            self._take_published()
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
+
+    def _take_published(self) -> None:
+        """Wait for the oldest upload; if it failed, let the rest end (each removes its staged file) and raise."""
+        try:
+            self._publishing.popleft().result()
+        except BaseException:
+            for other in self._publishing:
+                other.exception()  # waits; a second failure is not the one reported
+            self._publishing.clear()
+            self._publisher.shutdown()
+            self._publisher = None
+            raise
 
     def _remove_old_manifest(self) -> None:
         """Before the first changed shard lands, the old manifest stops describing the folder."""
@@ -256,7 +297,8 @@ class ShardWriter:
         self._old_manifest_removed = True
 
     def write_manifest(self, extra: dict) -> str:
-        """Write ``manifest.json`` (after every shard is uploaded) and return its URL."""
+        """Write ``manifest.json`` (after every shard is published: ``close`` first) and return its URL."""
+        self._wait_published()
         manifest = {"format": FORMAT, "stream": os.path.basename(self.url.rstrip("/")),
                     "shards": [asdict(s) for s in self.shards], "samples": self.samples, **extra}
         url = storage.join(self.url, MANIFEST)

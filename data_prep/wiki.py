@@ -102,8 +102,7 @@ class WikiJob:
         max_bytes = int(args.shard_size_mb * 2**20)
         self.writers: dict[str, dict[str, ShardWriter]] = {}
         for folder in dict.fromkeys(folders.values()):
-            tmp = tempfile.mkdtemp(dir=tmp_dir)  # every folder's streams name their shards alike
-            self.writers[folder] = {name: ShardWriter(storage.join(folder, name), tmp, max_bytes,
+            self.writers[folder] = {name: ShardWriter(storage.join(folder, name), tmp_dir, max_bytes,
                                                       previous_shas(storage.join(folder, name)),
                                                       int(args.shuffle_window_mb * 2**20), args.seed)
                                     for name in STREAMS}

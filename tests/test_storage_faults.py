@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import boto3
@@ -16,8 +17,9 @@ from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 from s3_fault_proxy import Fault, FaultProxy
 
 from clsys import storage
+from clsys.data.shard_reader import load_shards, read_shard
 from clsys.data.streaming import ShardLoader
-from data_prep.shards import ShardWriter
+from data_prep.shards import PUBLISHING, ShardWriter
 
 TRANSIENT = ["reset", "500", "503", "truncate"]
 SIZES = [1_000, 0, 12 * 2**20, 300_000]  # 12 MiB: upload_file sends it in 5 MiB parts (see the fixture)
@@ -142,6 +144,57 @@ def test_shard_loader_through_faults_yields_the_clean_batches(s3_bucket, proxied
     proxy = proxied(Fault("truncate", "GET", 3), Fault("reset", "GET", 8), Fault("500", "GET", 11))
     assert batches() == clean
     assert proxy.injected["truncate"] >= 5 and proxy.injected["reset"] >= 2, proxy.injected
+
+
+def test_shards_are_uploaded_while_the_next_ones_are_written(s3_bucket, proxied, tmp_path, monkeypatch):
+    """A full shard is uploaded by a background thread: with every PUT held back 0.3 s, several uploads are
+    under way at once (never more than PUBLISHING), ``close`` returns with all of them done, and the stream
+    reads back whole, in order. (The uploads are timed by wrapping the real function, which still runs.)"""
+    spans: list[tuple[float, float]] = []
+    publish = storage.publish_staged
+
+    def timed(staged: str, url: str) -> None:
+        start = time.monotonic()
+        publish(staged, url)
+        spans.append((start, time.monotonic()))
+
+    monkeypatch.setattr(storage, "publish_staged", timed)
+    proxied(Fault("slow", "PUT", 1, delay=0.3))
+    url = storage.join(s3_bucket, "stream")
+    write_stream(url, tmp_path)  # 12 shards, closed, then the manifest
+    assert len(spans) == 12
+    at_once = max(sum(start <= t < end for start, end in spans) for t, _ in spans)
+    assert 1 < at_once <= PUBLISHING, spans
+    keys = [sample["__key__"] for shard in load_shards(url) for sample in read_shard(shard)]  # sha256s checked
+    assert keys == [f"s{i:04d}" for i in range(120)]
+    assert not list(tmp_path.iterdir()), "staged shards left behind"
+
+
+def test_a_failed_upload_stops_the_writer_naming_the_shard(s3_server, tmp_path):
+    writer = ShardWriter("s3://no-such-bucket-here/stream", str(tmp_path), max_bytes=32_768)
+    with pytest.raises(storage.StorageError,
+                       match=r"^s3://no-such-bucket-here/stream/shard-0000\d\d\.tar: the bucket does not exist"):
+        for i in range(120):
+            writer.write(f"s{i:04d}", f"sentence number {i} " * 4, {"i": i})
+        writer.close()
+    # The uploads under way when the error came ended before it was raised (no thread left, no staged file).
+    assert not [t for t in threading.enumerate() if t.name.startswith("shard-publish")]
+    assert not list(tmp_path.iterdir()), "staged shards left behind"
+
+
+def test_streams_sharing_a_staging_folder_keep_their_shards_apart(s3_bucket, tmp_path):
+    """data_prep wiki's two streams stage in one temporary folder and both have a ``shard-000000.tar`` open
+    at once (no shuffle window): each must upload its own bytes (they once shared one staged file)."""
+    writers = {name: ShardWriter(storage.join(s3_bucket, "w", name), str(tmp_path), max_bytes=32_768)
+               for name in ("sentences", "documents")}
+    for i in range(100):
+        for name, writer in writers.items():
+            writer.write(f"{name[0]}{i:04d}", f"{name} number {i} " * 5, {"i": i})
+    for name, writer in writers.items():
+        writer.close()
+        writer.write_manifest({})
+        keys = [s["__key__"] for shard in load_shards(storage.join(s3_bucket, "w", name)) for s in read_shard(shard)]
+        assert keys == [f"{name[0]}{i:04d}" for i in range(100)]
 
 
 def test_checkpoint_tree_round_trips_through_faults(s3_bucket, proxied, tmp_path):
