@@ -286,6 +286,12 @@ def staging_path(url: str, tmp_dir: str) -> str:
     return f"{loc.path}.tmp-{os.getpid()}"
 
 
+def parallel_writes(url: str) -> bool:
+    """Whether files may be written to ``url`` from several threads at once: a local folder, or S3 (boto3's
+    clients are thread-safe); not the other fsspec schemes, some of which (ftp) share one connection."""
+    return parse(url).scheme in ("file", "s3")
+
+
 def publish_staged(staged: str, url: str) -> None:
     """Put the closed file ``staged`` (from ``staging_path(url, ...)``) at ``url`` atomically: a local file
     is flushed to disk and renamed over the destination, a remote one uploaded; the staged file is gone
@@ -433,8 +439,12 @@ def list_sizes(url: str) -> Iterator[tuple[str, int]]:
         root = Path(loc.path)
         if root.is_dir():
             for p in sorted(root.rglob("*")):
-                if p.is_file():
-                    yield f"file://{p}", p.stat().st_size
+                try:
+                    size = p.stat().st_size if p.is_file() else None
+                except FileNotFoundError:  # renamed or removed since it was listed (a temporary file): not there
+                    size = None
+                if size is not None:
+                    yield f"file://{p}", size
         return
     if loc.scheme != "s3":
         fs, root = fsspec_store.filesystem(loc)

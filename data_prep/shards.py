@@ -111,7 +111,8 @@ class ShardWriter:
     A shard is built beside its destination when that is local (and renamed into place when full), else
     in ``tmp_dir`` (and uploaded when full), and hashed as it is written. Publishing a full shard (the
     upload, or the flush to disk and the rename) runs in background threads, up to ``PUBLISHING`` shards at
-    once, while the next one is written; ``close`` waits for them. ``previous`` maps shard names to the
+    once, while the next one is written (local folders and S3: ``storage.parallel_writes``); ``close`` waits
+    for them. ``previous`` maps shard names to the
     sha256 the existing manifest lists, to skip re-uploading identical shards.
 
     ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar) have come,
@@ -263,8 +264,12 @@ class ShardWriter:
             self._publish(staged, dest)  # may raise an earlier shard's failed upload: this one is done with
 
     def _publish(self, staged: str, dest: str) -> None:
-        """``storage.publish_staged`` in a background thread, while the next shard is written. An upload that
-        failed is raised here (by a later call) or by ``close``, once the others under way have ended."""
+        """``storage.publish_staged`` in a background thread, while the next shard is written (where the
+        storage allows writes from several threads; else here). An upload that failed is raised here (by a
+        later call) or by ``close``, once the others under way have ended."""
+        if not storage.parallel_writes(dest):
+            storage.publish_staged(staged, dest)
+            return
         if self._publisher is None:
             self._publisher = ThreadPoolExecutor(PUBLISHING, thread_name_prefix="shard-publish")
         self._publishing.append(self._publisher.submit(storage.publish_staged, staged, dest))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from clsys import storage
+from clsys import integrity, storage
 from tests.conftest import RankCheckpoints, free_port
 
 
@@ -128,3 +129,19 @@ def test_a_zero_stage_0_checkpoint_resumes_on_another_rank_count(tiny, tmp_path)
         assert len(saved) > 20 and saved.keys() == restored.keys()
         assert all(torch.equal(saved[n], restored[n]) for n in saved), kind
     assert not all(torch.equal(out["fresh"][n], out["weights-2-0"][n]) for n in out["fresh"])  # it can fail
+
+
+def test_rank_markers_count_by_name_not_by_what_the_folder_holds(tmp_path):
+    """Rank 0 merges the ranks' checksums once every rank's marker is there. On a filesystem a marker is first
+    written under a temporary name beside it (rank-00001.tmp-PID), then renamed: that file must not count as
+    rank 1's marker (it was once listed, then read after its rename, failing a checkpoint in CI)."""
+    from clsys.engine.checkpoint_writer import RANK_MARKERS, merged_rank_sums
+
+    url = f"file://{tmp_path}/step-00000004"
+    sums = {0: {"rank-00000.pt": "0" * 64}, 1: {"rank-00001.pt": "1" * 64}}
+    storage.write_bytes(storage.join(url, RANK_MARKERS, "rank-00000"), integrity.format_sums(sums[0]))
+    (tmp_path / "step-00000004" / RANK_MARKERS / "rank-00001.tmp-4242").write_bytes(b"half a line")
+    with pytest.raises(RuntimeError, match="1 of 2 ranks did not finish writing their part"):
+        merged_rank_sums(url, world=2, wait_s=0.3)
+    storage.write_bytes(storage.join(url, RANK_MARKERS, "rank-00001"), integrity.format_sums(sums[1]))
+    assert merged_rank_sums(url, world=2, wait_s=0.3) == {**sums[0], **sums[1]}

@@ -227,27 +227,34 @@ class CheckpointWriter:
         storage.write_bytes(marker, integrity.format_sums(sums))
         if self.rank != 0:
             return
-        storage.write_bytes(storage.join(job.url, SUMS), integrity.format_sums(self._merged_sums(job.url)))
+        merged = merged_rank_sums(job.url, self.world, self.wait_s)
+        storage.write_bytes(storage.join(job.url, SUMS), integrity.format_sums(merged))
         storage.write_bytes(storage.join(job.url, "COMPLETE"), b"")
         prune(self.run_url, self.keep, job.protect)
         if job.on_complete is not None:
             job.on_complete(job.url)
 
-    def _merged_sums(self, url: str) -> dict[str, str]:
-        """Every rank's checksums, once every rank's marker is there (rank 0)."""
-        markers_url = storage.join(url, RANK_MARKERS)
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            markers = list(storage.list_prefix(markers_url))
-            if len(markers) >= self.world:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}: {self.world - len(markers)} of {self.world} ranks did not finish "
-                                   f"writing their part of the checkpoint within {self.wait_s:.0f} s")
-            time.sleep(MARKER_POLL_S)
-        merged: dict[str, str] = {}
-        for marker in markers:
-            for rel, digest in integrity.parse_sums(storage.read_bytes(marker), marker).items():
-                if merged.setdefault(rel, digest) != digest:
-                    raise RuntimeError(f"{url}: two ranks wrote different contents to {rel}")
-        return merged
+
+def merged_rank_sums(url: str, world: int, wait_s: float) -> dict[str, str]:
+    """Every rank's checksums of the checkpoint at ``url``, once each of the ``world`` ranks' markers is there
+    (rank 0 runs this); RuntimeError after ``wait_s`` seconds without them."""
+    markers_url = storage.join(url, RANK_MARKERS)
+    names = [f"rank-{rank:05d}" for rank in range(world)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        # By name: on a filesystem a marker is written under a temporary name beside it (rank-NNNNN.tmp-PID)
+        # and renamed, and that name must not count as the marker (it was once read as it vanished).
+        listed = {obj.rsplit("/", 1)[-1] for obj in storage.list_prefix(markers_url)}
+        missing = [name for name in names if name not in listed]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: {len(missing)} of {world} ranks did not finish "
+                               f"writing their part of the checkpoint within {wait_s:.0f} s")
+        time.sleep(MARKER_POLL_S)
+    merged: dict[str, str] = {}
+    for marker in (storage.join(markers_url, name) for name in names):
+        for rel, digest in integrity.parse_sums(storage.read_bytes(marker), marker).items():
+            if merged.setdefault(rel, digest) != digest:
+                raise RuntimeError(f"{url}: two ranks wrote different contents to {rel}")
+    return merged
