@@ -8,7 +8,7 @@ huggingface_hub, …) finds its own credentials and reads fsspec's own configura
 (``FSSPEC_<SCHEME>_<OPTION>`` variables, ``~/.config/fsspec``). A write is one put to the final
 name: atomic on object stores (gs://, az://, hf://), not on filesystems that write a file as it
 arrives (ftp://, sftp://), where a reader may see part of one. They have no compare-and-swap, so
-no run lease (``write_if``). Calls that fail with an OSError other than a missing file or a refused
+no run lease (``compare_and_swap.write_if``). Calls that fail with an OSError other than a missing file or a refused
 permission (a reset connection, a timeout) are retried ``ATTEMPTS`` times with backoff, a read or
 download as a whole; a stream from ``open_read`` relies on the filesystem's own retries.
 """

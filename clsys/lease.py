@@ -4,7 +4,7 @@ Two drivers started on the same run folder (a job submitted twice, a requeued SL
 old one) would both write its checkpoints. The lease is a small JSON object (holder id, host, pid,
 time-to-live, a renewal counter) taken and renewed only by compare-and-swap: S3 conditional writes
 (``If-None-Match: *`` to create, ``If-Match: <ETag>`` to renew or take over), or a file under an
-exclusive lock (``clsys.storage.write_if``). The holder renews it every third of ``cluster.lease_ttl_s``
+exclusive lock (``clsys.compare_and_swap``). The holder renews it every third of ``cluster.lease_ttl_s``
 and deletes it when it exits.
 
 A driver that finds the lease held watches it: a renewal means its holder is alive, and the driver
@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from clsys import storage
+from clsys import compare_and_swap, storage
 
 LEASE = "LEASE"
 
@@ -46,7 +46,7 @@ class Lease:
     def acquire(self, poll_s: float | None = None) -> None:
         """Take the lease, waiting out one left by a dead driver; LeaseHeld when a live driver holds it."""
         replace = None  # the version a write may replace: None creates the lease
-        while (version := storage.write_if(self.url, storage.json_bytes(self.record), replace)) is None:
+        while (version := compare_and_swap.write_if(self.url, storage.json_bytes(self.record), replace)) is None:
             replace = self._stale_version(poll_s)
         self.version = version
         self._checked_conditions()
@@ -57,7 +57,7 @@ class Lease:
         """Watch the lease someone holds: the version to take over once it has gone unrenewed for its
         time-to-live; None when it disappears; LeaseHeld as soon as it is renewed."""
         watched, since = None, 0.0
-        while (found := storage.read_versioned(self.url)) is not None:
+        while (found := compare_and_swap.read_versioned(self.url)) is not None:
             holder = storage.parse_json(found[0], self.url)
             ttl = float(holder.get("ttl_s", self.ttl_s))
             who = f"pid {holder.get('pid')} on {holder.get('host')}"
@@ -79,7 +79,7 @@ class Lease:
     def _checked_conditions(self) -> None:
         # A store that ignores conditional writes would let a second driver in: creating the lease
         # again must fail now that it exists.
-        if storage.write_if(self.url, storage.json_bytes(self.record), None) is not None:
+        if compare_and_swap.write_if(self.url, storage.json_bytes(self.record), None) is not None:
             raise RuntimeError(f"{self.url}: the object store ignored a conditional write (If-None-Match), so a "
                                f"lease cannot keep a second driver out; set cluster.lease_ttl_s=0 to run without one")
 
@@ -87,7 +87,7 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 3):
             self.record["renewals"] += 1
             try:
-                version = storage.write_if(self.url, storage.json_bytes(self.record), self.version)
+                version = compare_and_swap.write_if(self.url, storage.json_bytes(self.record), self.version)
             except storage.StorageError as err:  # the store is unreachable: try again at the next beat
                 print(f"[clsys] warning: renewing {self.url} failed: {err}", file=sys.stderr, flush=True)
                 continue
@@ -101,12 +101,12 @@ class Lease:
         if self._renewer is not None:
             self._renewer.join()
         if self.version is not None:
-            storage.delete_if(self.url, self.version)
+            compare_and_swap.delete_if(self.url, self.version)
             self.version = None
 
 
 def _exit_on_lost(lease: Lease) -> None:
-    taken = storage.read_versioned(lease.url)
+    taken = compare_and_swap.read_versioned(lease.url)
     holder = storage.parse_json(taken[0], lease.url) if taken else {}
     print(f"error: {lease.url}: this driver lost its lease (not renewed for {lease.ttl_s:g} s) to pid "
           f"{holder.get('pid')} on {holder.get('host')}; stopping at once so that only one driver writes the run",

@@ -279,9 +279,7 @@ class ShardWriter:
     def _wait_published(self) -> None:
         while self._publishing:
             self._take_published()
-        if self._publisher is not None:
-            self._publisher.shutdown()
-            self._publisher = None
+        self._stop_publisher()
 
     def _take_published(self) -> None:
         """Wait for the oldest upload; if it failed, let the rest end (each removes its staged file) and raise."""
@@ -291,9 +289,13 @@ class ShardWriter:
             for other in self._publishing:
                 other.exception()  # waits; a second failure is not the one reported
             self._publishing.clear()
+            self._stop_publisher()
+            raise
+
+    def _stop_publisher(self) -> None:
+        if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None
-            raise
 
     def _remove_old_manifest(self) -> None:
         """Before the first changed shard lands, the old manifest stops describing the folder."""

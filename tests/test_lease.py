@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from clsys import storage
+from clsys import compare_and_swap, storage
 from clsys.lease import LEASE, Lease, LeaseHeld
 
 HOLD = """
@@ -32,15 +32,15 @@ def run_url(request, tmp_path):
 
 def test_compare_and_swap_writes(run_url):
     url = storage.join(run_url, "object")
-    first = storage.write_if(url, b"one", None)
-    assert first is not None and storage.read_versioned(url) == (b"one", first)
-    assert storage.write_if(url, b"two", None) is None, "created over an existing object"
-    second = storage.write_if(url, b"two", first)
+    first = compare_and_swap.write_if(url, b"one", None)
+    assert first is not None and compare_and_swap.read_versioned(url) == (b"one", first)
+    assert compare_and_swap.write_if(url, b"two", None) is None, "created over an existing object"
+    second = compare_and_swap.write_if(url, b"two", first)
     assert second is not None and storage.read_bytes(url) == b"two"
-    assert storage.write_if(url, b"three", first) is None, "replaced a version that was no longer current"
-    assert storage.delete_if(url, first) is False and storage.exists(url)
-    assert storage.delete_if(url, second) is True and storage.read_versioned(url) is None
-    assert storage.write_if(url, b"four", second) is None, "replaced an object that was gone"
+    assert compare_and_swap.write_if(url, b"three", first) is None, "replaced a version that was no longer current"
+    assert compare_and_swap.delete_if(url, first) is False and storage.exists(url)
+    assert compare_and_swap.delete_if(url, second) is True and compare_and_swap.read_versioned(url) is None
+    assert compare_and_swap.write_if(url, b"four", second) is None, "replaced an object that was gone"
 
 
 def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
@@ -64,7 +64,7 @@ def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
         assert holder.wait(timeout=10) == 1
         assert f"this driver lost its lease (not renewed for 3 s) to pid {taker.record['pid']}" in holder.stderr.read()
         taker.release()
-        assert storage.read_versioned(storage.join(run_url, LEASE)) is None
+        assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is None
     finally:
         holder.kill()
         holder.wait()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clsys import fsspec_store, storage
+from clsys import compare_and_swap, fsspec_store, storage
 from clsys.data.shard_reader import ShardError, load_shards, read_shard
 from clsys.lease import Lease
 from clsys.storage import StorageError
@@ -63,8 +63,8 @@ def test_round_trips(mem, tmp_path):
 
     storage.write_bytes(url, b"replaced")
     assert storage.read_bytes(url) == b"replaced"
-    assert storage.read_versioned(url) == (b"replaced", storage.read_versioned(url)[1])
-    assert storage.read_versioned(storage.join(mem, "none")) is None
+    assert compare_and_swap.read_versioned(url) == (b"replaced", compare_and_swap.read_versioned(url)[1])
+    assert compare_and_swap.read_versioned(storage.join(mem, "none")) is None
     storage.check_bucket(mem)
 
 
@@ -208,7 +208,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(mem, monkeypatc
 
 def test_no_run_lease_without_compare_and_swap(mem):
     url = storage.join(mem, "LEASE")
-    for op in (lambda: storage.write_if(url, b"x", None), lambda: storage.delete_if(url, "v")):
+    for op in (lambda: compare_and_swap.write_if(url, b"x", None), lambda: compare_and_swap.delete_if(url, "v")):
         with pytest.raises(StorageError, match=f"^{url}: memory:// has no compare-and-swap write"):
             op()
     with pytest.raises(StorageError, match="set cluster.lease_ttl_s=0 to run without a lease"):
