@@ -35,9 +35,10 @@ quickstart: install
 	$(PY) -m clsys.pretrain
 
 # The docs first: fast, and a broken link, a page left out of the nav or a config field without a
-# meaning (docs/hooks/config_reference.py) fails early.
+# meaning (docs/hooks/config_reference.py) fails early. Never --quiet: it hides the warnings that --strict
+# counts, and the build passes (tests/test_docs_build.py).
 test: install-test
-	$(PY) -m mkdocs build --strict --quiet --site-dir site
+	$(PY) -m mkdocs build --strict --site-dir site
 	$(PY) -m pytest -q -ra tests
 
 docs: install-test
