@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
+from xml.parsers import expat
 
 from clsys import storage
 from clsys.storage import StorageError
@@ -40,7 +41,7 @@ _WIKIMEDIA_HOST = re.compile(r"([a-z][a-z-]*)\.(?:wikipedia|%s)\.org" % "|".join
 
 
 class DumpError(Exception):
-    """The input cannot be used at all (missing, empty, not XML, not a MediaWiki dump)."""
+    """The input cannot be used at all (missing, empty, not XML, not a MediaWiki dump, a DOCTYPE in it)."""
 
 
 class TruncatedDump(Exception):
@@ -102,6 +103,43 @@ def _child_text(elem: ET.Element, name: str) -> str | None:
     return None
 
 
+class _RootReached(Exception):
+    """Stops ``_PrologCheck``'s parser at the root element: the prolog is over."""
+
+
+class _PrologCheck:
+    """Refuses a DOCTYPE: reads what comes before the root element with a bare expat parser of its own, which
+    raises ``DumpError`` at the start of a DOCTYPE, before anything in it is parsed (expat stops at a handler's
+    exception), and before the dump's own parser is given those bytes.
+
+    MediaWiki dumps never carry one, and what one declares is what a hostile dump would use: entities that
+    expand without bound ("billion laughs": expat's own limit still lets them grow to 100 times the input), that
+    name a local file or URL, or whose text would go into the shards as if an article held it. A DOCTYPE may
+    only come before the root element, so the check is done at it; the rest of the dump costs nothing.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+        self._parser = expat.ParserCreate()
+        self._parser.StartDoctypeDeclHandler = self._doctype
+        self._parser.StartElementHandler = self._root
+
+    @staticmethod
+    def _doctype(name: str, *_) -> None:
+        raise DumpError(f"it has a DOCTYPE declaration (<!DOCTYPE {name} ...>), which MediaWiki dumps never "
+                        "have: refused, so that no entity it may declare is expanded or read from a file")
+
+    @staticmethod
+    def _root(*_) -> None:
+        raise _RootReached
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._parser.Parse(data, False)
+        except (_RootReached, expat.ExpatError):  # a malformed prolog is the dump's parser's to report
+            self.done = True
+
+
 class DumpReader:
     """Streams the pages of one dump file (.xml, or .bz2 including multistream / concatenated bz2)."""
 
@@ -156,13 +194,17 @@ class DumpReader:
                                     self.bytes_read)
 
     def _events(self) -> Iterator[tuple[str, ET.Element]]:
-        """(event, element) pairs; checks that the root is ``<mediawiki>``."""
+        """(event, element) pairs; checks that there is no DOCTYPE (``_PrologCheck``) and that the root is
+        ``<mediawiki>``."""
         parser = ET.XMLPullParser(events=("start", "end"))
+        prolog = _PrologCheck()
         root_seen = False
         n_bytes = 0
         try:
             for data in self._raw_chunks():
                 n_bytes += len(data)
+                if not prolog.done:
+                    prolog.feed(data)
                 parser.feed(data)
                 for event, elem in parser.read_events():
                     if not root_seen:

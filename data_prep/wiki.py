@@ -443,12 +443,15 @@ def _summary(job: WikiJob, urls: dict[tuple[str, str], str], seconds: float) -> 
 
 def summary_table(counts: dict[str, Counts]) -> str:
     """One row per language and a total: files, pages, articles, sentences, passages, MB read, then the
-    skipped pages (redirect … empty) and sentences (too_short, too_long, markup) by reason."""
-    header = ["lang", "files", "pages", "articles", "sentences", "passages", "MB read", *SKIP_REASONS]
+    skipped pages (redirect … empty) and sentences (too_short, too_long, markup) by reason, and the share of
+    the sentences split that were kept (a language whose script is split or measured badly stands out)."""
+    header = ["lang", "files", "pages", "articles", "sentences", "passages", "MB read", *SKIP_REASONS, "kept %"]
     rows = [[c.files, c.pages, c.articles, c.sentences, c.passages, c.bytes_read, *c.skipped.values()]
             for c in counts.values()]
     table = [[lang, *row] for lang, row in zip(counts, rows)] + [["total", *map(sum, zip(*rows))]]
     for row in table:
+        split = row[4] + sum(row[-3:])  # kept + SKIP_REASONS' last three: too_short, too_long, markup
+        row.append(f"{100 * row[4] / split:.1f}" if split else "-")
         row[6] = f"{row[6] / 1e6:.1f}"  # bytes → MB
     lines = [header, *([str(v) for v in row] for row in table)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
