@@ -267,6 +267,8 @@ def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
     from clsys.sts_data import load_sts, resolve_sts
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
+    if sts.note:
+        print(f"[clsys] eval.sts_test {cfg.eval.sts_test}: {sts.note}", flush=True)
     rows = []
     # A model trained from scratch has no "before" worth scoring.
     models = [("before", cfg.model.name)] if cfg.model.init == "pretrained" else []
