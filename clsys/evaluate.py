@@ -86,6 +86,9 @@ def _read_sts(spec: str, args: argparse.Namespace) -> list[StsSet]:
     suite = read_sts(spec)
     for path in suite.left_out:
         print(f"{spec}: passed over {path}", file=sys.stderr)
+    for sts in suite.sets:
+        if sts.note:
+            print(f"{spec}: {sts.name}: {sts.note}", file=sys.stderr)
     return suite.sets
 
 

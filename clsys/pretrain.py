@@ -36,6 +36,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 from clsys import integrity, storage  # noqa: E402
 from clsys.config import ClusterConfig, Config, ConfigError, load_config, run_url  # noqa: E402
+from clsys.config_paths import resolve_local_paths  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
 from clsys.lease import LEASE, Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
@@ -185,14 +186,6 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
                            f"{str(err).strip().splitlines()[0]}") from err
 
 
-def _task_path(path: str) -> str:
-    """A task file as given (relative to the working folder), else relative to the clsys checkout."""
-    if "://" in path:
-        return path
-    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-    return bundled if not os.path.exists(path) and os.path.exists(bundled) else os.path.abspath(path)
-
-
 def run_css_lm(cfg: Config, repeats: int) -> int:
     """CSS-LM (or its fine-tuning baseline) for ``repeats`` seeds train.seed, +1, …: one Ray Train run
     each (``clsys.engine.css_pipeline``), then test accuracy at the best dev epoch, mean ± std."""
@@ -208,7 +201,6 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
         for key in ("train", "dev", "test"):
             if not getattr(cfg.task, key):
                 raise ConfigError(f"task.{key}: set it to a labelled file (CSV/TSV/JSONL or 'LABEL text' lines)")
-            setattr(cfg.task, key, _task_path(getattr(cfg.task, key)))
         if cfg.train.resume not in ("", "latest"):
             raise ConfigError("train.resume: css_lm resumes whole stages: '' or latest")
         task = load_task(cfg, cfg.train.seed)  # every file read and checked before any worker starts
@@ -218,8 +210,6 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
                               f"{classes} classes")
         cfg.objective.num_labels = classes
         if cfg.objective.method == "css_lm":
-            if "://" not in cfg.corpus.url and cfg.corpus.url:
-                cfg.corpus.url = os.path.abspath(cfg.corpus.url)
             corpus = resolve_corpus_stream(cfg.corpus.url)
             plan_epoch(load_shards(corpus), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
                        cfg.micro_batch * cfg.objective.domain_negatives)
@@ -277,6 +267,8 @@ def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
     from clsys.sts_data import load_sts, resolve_sts
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
+    if sts.note:
+        print(f"[clsys] eval.sts_test {cfg.eval.sts_test}: {sts.note}", flush=True)
     rows = []
     # A model trained from scratch has no "before" worth scoring.
     models = [("before", cfg.model.name)] if cfg.model.init == "pretrained" else []
@@ -352,11 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
-        # Ray Train workers do not run in the driver's folder: ship absolute locations.
-        if "://" not in cfg.data.url:
-            cfg.data.url = os.path.abspath(cfg.data.url)
-        if "://" not in cfg.train.run_root:
-            cfg.train.run_root = os.path.abspath(cfg.train.run_root)
+        resolve_local_paths(cfg)  # Ray Train workers do not run in the driver's folder: ship absolute paths
         if args.repeats < 1 or (args.repeats > 1 and cfg.objective.name != "css_lm"):
             raise ConfigError("--repeats: a number >= 1, and above 1 only for the css_lm recipe")
         if args.print_config:

@@ -149,17 +149,26 @@ def _read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").removesuffix("\n").split("\n")
 
 
+TATOEBA_PREFIX = "DIR/tatoeba.xxx-eng, the prefix of two files DIR/tatoeba.xxx-eng.xxx and DIR/tatoeba.xxx-eng.eng"
+
+
+def tatoeba_files(prefix: Path) -> tuple[Path, Path] | None:
+    """The (xxx, eng) files of a pair's path prefix ``DIR/tatoeba.xxx-eng``; None unless both are there."""
+    lang, _, eng = prefix.name.removeprefix("tatoeba.").partition("-")
+    source, english = Path(f"{prefix}.{lang}"), Path(f"{prefix}.eng")
+    return (source, english) if lang and eng == "eng" and source.is_file() and english.is_file() else None
+
+
 def load_tatoeba(pair: str) -> Bitext:
     """A bundled pair (``deu-eng``) or a path prefix ``DIR/tatoeba.xxx-eng`` of the files
     ``DIR/tatoeba.xxx-eng.xxx`` and ``DIR/tatoeba.xxx-eng.eng``."""
     prefix = TATOEBA_ASSETS / f"tatoeba.{pair}" if pair in bundled_tatoeba() else Path(pair).expanduser()
-    code = prefix.name.removeprefix("tatoeba.")
-    lang, _, eng = code.partition("-")
-    source, english = Path(f"{prefix}.{lang}"), Path(f"{prefix}.eng")
-    if not lang or eng != "eng" or not source.is_file() or not english.is_file():
+    files = tatoeba_files(prefix)
+    if files is None:
         raise ValueError(f"Tatoeba pair '{pair}' is neither bundled ({', '.join(bundled_tatoeba())}) nor a path "
-                         "prefix DIR/tatoeba.xxx-eng of two files DIR/tatoeba.xxx-eng.xxx and DIR/tatoeba.xxx-eng.eng")
-    bitext = Bitext(f"tatoeba-{code}", _read_lines(source), _read_lines(english))
+                         f"{TATOEBA_PREFIX}")
+    source, english = files
+    bitext = Bitext(f"tatoeba-{prefix.name.removeprefix('tatoeba.')}", _read_lines(source), _read_lines(english))
     if len(bitext.source) != len(bitext.english):
         raise ValueError(f"{source} has {len(bitext.source)} lines but {english} has {len(bitext.english)}")
     return bitext

@@ -3,8 +3,13 @@
 One file is one set of sentence pairs with human similarity scores. The layouts read:
 
 - JSONL, one object per line with ``sentence1``, ``sentence2`` and ``score`` (MTEB-style exports);
-- SICK (SemEval 2014): tab-separated with a header naming ``sentence_A``, ``sentence_B`` and
-  ``relatedness_score`` (SICK-R);
+- SICK-R: SemEval 2014 task 1's files (``SICK_train.txt``, ``SICK_trial.txt``,
+  ``SICK_test_annotated.txt``: pair_ID, sentence_A, sentence_B, relatedness_score,
+  entailment_judgment, tab-separated) and the full ``SICK.txt`` (12 columns), with or without their
+  header row. SICK.txt holds every split, and its ``SemEval_set`` column says which pair is in which:
+  only the pairs of the split asked for are read (TEST; TRIAL for a dev set), and the set says so
+  (``StsSet.note``). A SICK file that joins several without that column (a header row inside, a
+  pair_ID twice, or more pairs than SICK's largest split) is refused: it cannot be scored as one set;
 - a TSV whose header names ``sentence1``, ``sentence2`` and ``score`` (KorSTS);
 - STS-Benchmark as distributed (``sts-test.csv``): headerless, tab-separated genre, file, year, id,
   score, sentence1, sentence2 (further columns ignored);
@@ -21,6 +26,7 @@ out of a suite, and files in no known layout (readmes, licences) too; both are l
 """
 from __future__ import annotations
 
+import collections
 import csv
 import re
 from dataclasses import dataclass, field
@@ -37,8 +43,19 @@ SENTEVAL_GOLD = re.compile(r"STS\.gs\.(.+)\.txt$")
 TRAINING_SPLIT = re.compile(r"(^|[^a-z])(train|dev|trial)([^a-z]|$)")
 SUITE_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl")
 # Tab-separated layouts recognised by a header naming these columns: (sentence 1, sentence 2, score).
-HEADER_LAYOUTS = {"sick": ("sentence_A", "sentence_B", "relatedness_score"),
-                  "tsv": ("sentence1", "sentence2", "score")}
+HEADER_LAYOUTS = {"tsv": ("sentence1", "sentence2", "score")}
+SICK_PAIR = ("sentence_A", "sentence_B", "relatedness_score")
+# SICK's published columns, recognised without a header row by the pair id, score and entailment label:
+# SemEval 2014 task 1's files (one split each), and the full SICK.txt.
+SICK_SEMEVAL_COLUMNS = ("pair_ID", "sentence_A", "sentence_B", "relatedness_score", "entailment_judgment")
+SICK_FULL_COLUMNS = ("pair_ID", "sentence_A", "sentence_B", "entailment_label", "relatedness_score", "entailment_AB",
+                     "entailment_BA", "sentence_A_original", "sentence_B_original", "sentence_A_dataset",
+                     "sentence_B_dataset", "SemEval_set")
+SICK_LABELS = ("NEUTRAL", "ENTAILMENT", "CONTRADICTION")
+# The SemEval_set value of each split a caller asks for (the trainer's dev set: SemEval's trial split).
+SICK_SPLITS = {"test": "TEST", "dev": "TRIAL"}
+# SICK's largest split, SemEval's test set (train 4,500, trial 500): a file with more pairs joins splits.
+SICK_LARGEST_SPLIT = 4927
 
 
 @dataclass
@@ -50,6 +67,7 @@ class StsSet:
     # A SentEval year: (name, pair count) of each concatenated subset, in order, for the "mean" and
     # "wmean" aggregations reported beside "all".
     subsets: list[tuple[str, int]] = field(default_factory=list)
+    note: str = ""  # what was read of a file that holds more than this set (SICK.txt: one split), to be shown
 
 
 @dataclass
@@ -128,6 +146,8 @@ def sniff(path: Path) -> str | None:
     for layout, columns in HEADER_LAYOUTS.items():
         if set(columns) <= set(fields):
             return layout
+    if _sick_columns(fields) is not None:
+        return "sick"
     if len(fields) >= 7 and _is_number(fields[4]):
         return "stsbenchmark"
     row = next(csv.reader([line]), [])
@@ -144,8 +164,9 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def load_sts(path: str | Path) -> StsSet:
-    """Read one STS file in any of the layouts above; a malformed line is reported as ``file:line``."""
+def load_sts(path: str | Path, split: str = "test") -> StsSet:
+    """Read one STS file in any of the layouts above; a malformed line is reported as ``file:line``.
+    ``split`` (test or dev) is the split read of a file that holds several and marks them (SICK.txt)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path}: a folder, not one STS file")
@@ -156,9 +177,13 @@ def load_sts(path: str | Path) -> StsSet:
                          f"CSV sentence1,sentence2,score)")
     if layout == "senteval":
         return _load_senteval_pair(path)
-    sent1, sent2, scores = [], [], []
+    sent1, sent2, scores, note = [], [], [], ""
     with open(path, newline="", encoding="utf-8") as f:
-        for number, row in _READERS[layout](path, f):
+        if layout == "sick":
+            rows, note = _rows_sick(path, f, split)
+        else:
+            rows = _READERS[layout](path, f)
+        for number, row in rows:
             try:
                 score = float(row[2])
             except (TypeError, ValueError):
@@ -168,7 +193,7 @@ def load_sts(path: str | Path) -> StsSet:
             scores.append(score)
     if not scores:
         raise ValueError(f"{path}: no sentence pairs")
-    return StsSet(path.stem, sent1, sent2, scores)
+    return StsSet(path.stem, sent1, sent2, scores, note=note)
 
 
 # Each reader yields (line number, (sentence1, sentence2, score text)) and raises on a malformed line.
@@ -183,7 +208,7 @@ def _rows_jsonl(path: Path, f):
 
 def _rows_with_header(names: tuple[str, str, str]):
     def rows(path: Path, f):
-        # Read without quote processing: quotes in KorSTS and SICK are sentence text.
+        # Read without quote processing: quotes in KorSTS are sentence text.
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = next(reader)
         columns = [header.index(name) for name in names]
@@ -192,6 +217,62 @@ def _rows_with_header(names: tuple[str, str, str]):
                 raise ValueError(f"{path}:{reader.line_num}: expected {len(header)} fields, found {len(row)}")
             yield reader.line_num, tuple(row[c] for c in columns)
     return rows
+
+
+def _sick_columns(fields: list[str]) -> tuple[list[str], bool] | None:
+    """(column names, whether ``fields`` is the header row) of a SICK file's line; None if it is not SICK."""
+    if set(SICK_PAIR) <= set(fields):
+        return fields, True
+    for columns in (SICK_SEMEVAL_COLUMNS, SICK_FULL_COLUMNS):
+        if len(fields) == len(columns):
+            row = dict(zip(columns, fields))
+            label = row.get("entailment_judgment", row.get("entailment_label"))
+            if row["pair_ID"].isdigit() and _is_number(row["relatedness_score"]) and label in SICK_LABELS:
+                return list(columns), False
+    return None
+
+
+def _rows_sick(path: Path, f, split: str) -> tuple[list[tuple[int, tuple[str, str, str]]], str]:
+    """The rows of a SICK file (of SICK.txt, those of ``split``), and what was left out; a file that joins
+    several SICK files, with nothing that says which pair came from which, is refused."""
+    # Read without quote processing: quotes in SICK are sentence text. One record per line, so the
+    # record's index is its line number.
+    lines = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    columns, has_header = _sick_columns(lines[0])
+    pair = [columns.index(name) for name in SICK_PAIR]
+    pair_id = columns.index("pair_ID") if "pair_ID" in columns else None
+    semeval_set = columns.index("SemEval_set") if "SemEval_set" in columns else None
+    wanted = SICK_SPLITS[split]
+    rows, per_split, first_seen = [], collections.Counter(), {}
+    for number, row in enumerate(lines[1:] if has_header else lines, 2 if has_header else 1):
+        if set(SICK_PAIR) <= set(row):
+            raise ValueError(f"{path}:{number}: a second header row: the file joins several SICK files (e.g. "
+                             f"SemEval's train, trial and test files); score the test file alone, or SICK.txt, "
+                             f"whose SemEval_set column marks each pair's split")
+        if len(row) != len(columns):
+            raise ValueError(f"{path}:{number}: expected {len(columns)} fields, found {len(row)}")
+        if pair_id is not None:
+            first = first_seen.setdefault(row[pair_id], number)
+            if first != number:
+                raise ValueError(f"{path}:{number}: pair_ID {row[pair_id]} again (first on line {first}): the file "
+                                 f"joins several sets; score one of them alone")
+        if semeval_set is not None:
+            per_split[row[semeval_set]] += 1
+            if row[semeval_set] != wanted:
+                continue
+        rows.append((number, tuple(row[c] for c in pair)))
+    if semeval_set is None:
+        if len(rows) > SICK_LARGEST_SPLIT:
+            raise ValueError(f"{path}: {len(rows)} pairs, more than any SICK split holds (its test set: "
+                             f"{SICK_LARGEST_SPLIT}): the file joins several splits and no SemEval_set column says "
+                             f"which pair is in which; score SemEval's test file (SICK_test_annotated.txt) or SICK.txt")
+        return rows, ""
+    if not rows:
+        raise ValueError(f"{path}: no pair of SemEval_set {wanted} (the {split} split); the file has "
+                         f"{', '.join(f'{name} {n}' for name, n in sorted(per_split.items()))}")
+    others = ", ".join(f"{name} {n}" for name, n in sorted(per_split.items()) if name != wanted)
+    return rows, (f"the {split} split only, SemEval_set {wanted}: {len(rows)} of {sum(per_split.values())} pairs "
+                  f"({others} left out)")
 
 
 def _rows_stsbenchmark(path: Path, f):

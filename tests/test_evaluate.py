@@ -97,13 +97,65 @@ def test_every_layout_reads_its_pairs():
         "mteb-sts", "The train departs at twelve o'clock.", 4.6, 9)
 
 
+# SICK.txt's pairs of each split, in file order (tests/data/sts_suite/SICK/SICK.txt).
+SICK_TEST = (["The kettle is boiling water.", "The children are building a sandcastle.", "A chef is chopping carrots.",
+              "The cat is climbing a tree."], [1.1, 4.5, 3.9, 4.9])
+SICK_TRIAL = (["A man is riding a bicycle downhill.", "A girl is singing on a stage."], [4.7, 3.2])
+
+
+def test_full_sick_is_scored_on_the_split_its_semeval_set_column_marks_and_says_so():
+    """SICK.txt holds all of SICK: its SemEval_set column marks each pair TRAIN, TRIAL or TEST."""
+    test = load_sts(SUITE / "SICK" / "SICK.txt")
+    assert (test.name, test.sent1, test.scores) == ("SICK", *SICK_TEST)
+    assert test.note == "the test split only, SemEval_set TEST: 4 of 10 pairs (TRAIN 4, TRIAL 2 left out)"
+    dev = load_sts(SUITE / "SICK" / "SICK.txt", split="dev")
+    assert (dev.sent1, dev.scores) == SICK_TRIAL
+    assert dev.note == "the dev split only, SemEval_set TRIAL: 2 of 10 pairs (TEST 4, TRAIN 4 left out)"
+
+
+def test_the_trainer_evaluates_on_the_trial_split_of_sick_txt():
+    from clsys.config import load_config
+    from clsys.engine.loop import _dev_set
+
+    dev = _dev_set(load_config(None, [f"eval.sts_dev={SUITE / 'SICK' / 'SICK.txt'}"]))
+    assert (dev.sent1, dev.scores) == SICK_TRIAL
+
+
+def test_semeval_sick_file_without_its_header_row():
+    trial = load_sts(SUITE / "SICK" / "SICK_trial.txt")
+    assert (trial.sent1[0], trial.sent2[2], trial.scores) == ("A horse is jumping over a fence.",
+                                                              "A woman is baking bread.", [4.4, 3.3, 1.0])
+    assert trial.note == ""
+
+
+def test_sick_files_joined_together_are_refused(tmp_path):
+    """SemEval's train, trial and test files joined into one: no column says which pair is in which split."""
+    train = (SUITE / "SICK" / "SICK_train.txt").read_text(encoding="utf-8")
+    test = (SUITE / "SICK" / "SICK_test_annotated.txt").read_text(encoding="utf-8")
+    joined = tmp_path / "SICK_all.txt"
+    joined.write_text(train + test, encoding="utf-8")  # `cat`: the second file's header row inside
+    with pytest.raises(ValueError, match=rf"{joined}:5: a second header row: .*joins several SICK files"):
+        load_sts(joined)
+    joined.write_text(train + test.split("\n", 1)[1], encoding="utf-8")  # one header: pair ids 0, 1, 2 twice
+    with pytest.raises(ValueError, match=rf"{joined}:5: pair_ID 0 again \(first on line 2\)"):
+        load_sts(joined)
+    # Distinct ids, as SICK's are across its splits, but more pairs than its largest split (the test set).
+    rows = [f"{i}\tA man walks to shop number {i}.\tA person walks, {i}.\t{i % 5}.0\tNEUTRAL\n" for i in range(4928)]
+    joined.write_text("".join(rows), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{joined}: 4928 pairs, more than any SICK split holds"):
+        load_sts(joined)
+    joined.write_text("".join(rows[:4927]), encoding="utf-8")
+    assert len(load_sts(joined).scores) == 4927
+
+
 def test_a_folder_is_a_suite_of_its_test_sets(tmp_path):
     suite = read_sts(str(SUITE))
-    assert [s.name for s in suite.sets] == ["SICK_test_annotated", "STS12-en-test", "STS16-en-test", "sts-test",
-                                            "mteb-sts"]
+    assert [s.name for s in suite.sets] == ["SICK", "SICK_test_annotated", "STS12-en-test", "STS16-en-test",
+                                            "sts-test", "mteb-sts"]
     assert sorted(Path(x.split(" (")[0]).name + " (" + x.split(" (")[1] for x in suite.left_out) == [
-        "SICK_train.txt (a train/dev/trial split)", "readme.txt (not an STS layout)",
-        "sts-dev.csv (a train/dev/trial split)"]
+        "SICK_train.txt (a train/dev/trial split)", "SICK_trial.txt (a train/dev/trial split)",
+        "readme.txt (not an STS layout)", "sts-dev.csv (a train/dev/trial split)"]
+    assert suite.sets[0].scores == SICK_TEST[1]  # SICK.txt: its test split
     (tmp_path / "sts-train.csv").write_text("a,b,1.0\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"no STS set found in this folder \(passed over: .*sts-train.csv \(a train"):
         read_sts(str(tmp_path))
@@ -209,15 +261,16 @@ def test_cli_folder_reports_every_set_and_their_average(tmp_path):
     proc = run_cli("--model", "all-MiniLM-L6-v2", "--sts", str(SUITE), "--pooling", "mean", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["set"] for r in rows] == ["SICK_test_annotated", "STS12-en-test", "STS16-en-test", "sts-test", "mteb-sts",
-                                        "sts_suite avg"]
-    assert rows[-1]["spearman"] == pytest.approx(sum(r["spearman"] for r in rows[:-1]) / 5, abs=1e-9)
-    assert rows[-1]["n"] == 8 + 11 + 6 + 6 + 9 and "spearman_mean" in rows[1] and "spearman_mean" not in rows[-1]
+    assert [r["set"] for r in rows] == ["SICK", "SICK_test_annotated", "STS12-en-test", "STS16-en-test", "sts-test",
+                                        "mteb-sts", "sts_suite avg"]
+    assert rows[-1]["spearman"] == pytest.approx(sum(r["spearman"] for r in rows[:-1]) / 6, abs=1e-9)
+    assert rows[-1]["n"] == 4 + 8 + 11 + 6 + 6 + 9 and "spearman_mean" in rows[2] and "spearman_mean" not in rows[-1]
     header = proc.stdout.splitlines()[1].split()
     assert header == ["set", "pooling", "n", "Spearman", "Pearson", "Spearman-mean", "Spearman-wmean"]
     assert proc.stdout.splitlines()[-1].split()[:2] == ["sts_suite", "avg"]
     for left_out in ("SICK_train.txt (a train/dev/trial split)", "readme.txt (not an STS layout)"):
         assert left_out in proc.stderr
+    assert f"{SUITE}: SICK: the test split only, SemEval_set TEST: 4 of 10 pairs" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -433,3 +433,22 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
     # anchors only) max 0.22, median 0.04.
     assert len(ratios) > 20
     assert max(ratios) < 1e-2 and statistics.median(ratios) < 1e-3
+
+
+@pytest.mark.usefixtures("shared_ray")
+def test_relative_model_and_dev_set_paths_from_the_drivers_folder(local_shards, tiny_bert_with_heads, tmp_path):
+    """A user in their own folder names the model, the dev STS set and the run root relative to it: the
+    driver resolves them (Ray Train workers run elsewhere), the workers load both, the config records where."""
+    shutil.copytree(tiny_bert_with_heads, tmp_path / "models" / "tiny")
+    (tmp_path / "sets").mkdir()
+    dev = (REPO / "clsys" / "assets" / "sts" / "stsb-en-dev.csv").read_text(encoding="utf-8").splitlines(True)[:16]
+    (tmp_path / "sets" / "my-dev.csv").write_text("".join(dev), encoding="utf-8")
+    proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs", "train.name=rel",
+               "model.name=models/tiny", "eval.sts_dev=sets/my-dev.csv", "train.batch_size=8", "train.steps=1",
+               "train.ckpt_every=1", "eval.every=1", "eval.heatmap_text=", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert "[clsys] step 1: my-dev_spearman" in proc.stdout  # rank 0 scored the user's set after the step
+    saved = yaml.safe_load((tmp_path / "runs" / "rel" / "config.yaml").read_text())
+    assert (saved["model"]["name"], saved["eval"]["sts_dev"]) == (str(tmp_path / "models" / "tiny"),
+                                                                 str(tmp_path / "sets" / "my-dev.csv"))
+    assert (tmp_path / "runs" / "rel" / "export" / "modules.json").is_file()

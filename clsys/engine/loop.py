@@ -7,6 +7,7 @@ forward → backward → optimizer step → (every N) log, evaluate, checkpoint.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import random
 import shutil
@@ -100,10 +101,10 @@ def _report_skipped(skipped: collections.Counter, rank: int) -> None:
 def _dev_set(cfg: Config):
     from clsys.sts_data import load_sts, resolve_sts
 
-    dev = load_sts(resolve_sts(cfg.eval.sts_dev))
+    dev = load_sts(resolve_sts(cfg.eval.sts_dev), split="dev")  # of SICK.txt, its trial split
     if cfg.eval.max_pairs:
         n = cfg.eval.max_pairs
-        dev = type(dev)(dev.name, dev.sent1[:n], dev.sent2[:n], dev.scores[:n])
+        dev = dataclasses.replace(dev, sent1=dev.sent1[:n], sent2=dev.sent2[:n], scores=dev.scores[:n])
     return dev
 
 
@@ -161,6 +162,8 @@ def train_worker(payload: dict) -> None:
     tb_sync = (EventSync(tb_dir, storage.join(run, LOG_FOLDER), cfg.train.tensorboard_sync_s)
                if tb_dir is not None and not storage.is_local(run) else None)
     dev_set = _dev_set(cfg) if cfg.eval.sts_dev else None
+    if dev_set is not None and dev_set.note and rank == 0:
+        print(f"[clsys] eval.sts_dev {cfg.eval.sts_dev}: {dev_set.note}", flush=True)
     encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
     meta = {"world_size": world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
             "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
