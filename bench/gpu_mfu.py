@@ -1,9 +1,10 @@
-"""Model FLOP utilisation of a BERT-base-sized encoder on one GPU: SimCSE and TaCL (masked LM) steps, bf16.
+"""Model FLOP utilisation of a BERT-style encoder on one GPU: SimCSE and TaCL (masked LM) steps, bf16.
 
     python bench/gpu_mfu.py [--batch 256] [--seq 128] [--min-words N] [--steps 20] [--zero 0] [--compile]
-                            [--padded | --packed-attention padded|nested] [--peak-tflops auto]
+                            [--padded | --packed-attention padded|nested] [--peak-tflops auto] [--model bert-base]
 
-A random-init BERT-base (clsys/configs/models/bert-base.json: 12 layers, d 768, vocab 30,522) trains
+A random-init BERT-base (clsys/configs/models/bert-base.json: 12 layers, d 768, vocab 30,522; ``--model
+minilm-l6``: all-MiniLM-L6-v2's shape, 6 layers, d 384) trains
 on sequences of --seq tokens (random words of a generated word-level vocabulary, so no hub download);
 with --min-words N each row has N to seq-2 words (uniform), so the batch has pads as real text does. Per objective, two ways of stepping the same objective module on the same batches:
 
@@ -38,7 +39,7 @@ from clsys.config import load_config  # noqa: E402
 from clsys.engine.deepspeed import compile_models  # noqa: E402
 from clsys.objectives import OBJECTIVES  # noqa: E402
 
-BERT_BASE = Path(__file__).resolve().parents[1] / "clsys" / "configs" / "models" / "bert-base.json"
+MODELS = Path(__file__).resolve().parents[1] / "clsys" / "configs" / "models"
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0,
                     "A10G": 70.0, "B200": 2250.0}
@@ -62,7 +63,7 @@ def samples(n: int, min_words: int, max_words: int, vocab_size: int, rng: random
 
 
 def build_objective(name: str, tokenizer_dir: str, args, tokenizer):
-    overrides = [f"objective.name={name}", f"model.name={BERT_BASE}", "model.init=scratch",
+    overrides = [f"objective.name={name}", f"model.name={MODELS / args.model}.json", "model.init=scratch",
                  f"model.tokenizer={tokenizer_dir}", f"data.max_length={args.seq}", "cluster.num_workers=1",
                  f"train.batch_size={args.batch}", f"train.precision={args.precision}",
                  f"train.zero_stage={args.zero}", f"train.compile={args.compile}",
@@ -154,6 +155,8 @@ def main() -> None:
                         help="model.packed_attention: the packed rows' attention kernel")
     parser.add_argument("--min-words", type=int, default=0, help="rows of this many to seq-2 words; 0: all seq-2")
     parser.add_argument("--ways", nargs="+", default=["bare", "clsys"], choices=["bare", "clsys"])
+    parser.add_argument("--model", default="bert-base", choices=["bert-base", "minilm-l6"],
+                        help="the encoder's shape (clsys/configs/models/NAME.json), random init")
     parser.add_argument("--peak-tflops", default="auto", help="dense bf16 peak of the GPU; auto: by its name")
     args = parser.parse_args()
 
@@ -171,9 +174,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     single_process_group()
     tokenizer_dir = tempfile.mkdtemp(prefix="clsys-mfu-tokenizer-")
-    config = json.loads(BERT_BASE.read_text())
+    config = json.loads((MODELS / f"{args.model}.json").read_text())
     tokenizer = word_tokenizer(tokenizer_dir, config["vocab_size"])
-    print(f"gpu_mfu: {name}, dense bf16 peak {peak:.0f} TFLOP/s, torch {torch.__version__}, BERT-base "
+    print(f"gpu_mfu: {name}, dense bf16 peak {peak:.0f} TFLOP/s, torch {torch.__version__}, {args.model} "
           f"(random init), seq {args.seq}, batch {args.batch}, {args.steps} timed steps after {args.warmup}, "
           f"{'padded' if args.padded else 'packed (' + args.packed_attention + ' attention)'}, "
           f"words per row {args.min_words or args.seq - 2}-{args.seq - 2}{', compiled' if args.compile else ''}")

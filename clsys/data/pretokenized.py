@@ -80,8 +80,10 @@ class SentenceBatcher:
     def __call__(self, samples: list[dict[str, Any]], copies: int = 1) -> dict[str, torch.Tensor]:
         """The batch of ``samples`` repeated ``copies`` times (rows [0, B) the first copy, and so on)."""
         if not all("ids" in s for s in samples):
-            return dict(self.tokenizer([s["txt"] for s in samples] * copies, padding=True, truncation=True,
-                                       max_length=self.max_length, return_tensors="pt"))
+            # Tokenized once and repeated: padding=True pads to the longest row either way.
+            batch = self.tokenizer([s["txt"] for s in samples], padding=True, truncation=True,
+                                   max_length=self.max_length, return_tensors="pt")
+            return {k: v.repeat(copies, 1) for k, v in batch.items()}
         prefix, suffix, types = self.framing.prefix, self.framing.suffix, self.framing.types
         keep = self.max_length - len(prefix) - len(suffix)  # what truncation=True keeps of the text
         rows = [prefix + s["ids"][:keep] + suffix for s in samples]

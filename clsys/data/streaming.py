@@ -359,7 +359,7 @@ class ShardLoader:
     def __init__(self, stream_url: str, rank: int, ranks: int, micro_batch: int, collate: Callable,
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
                  on_bad_sample: str = "error", length_group: int = 0,
-                 lengths: Callable[[list[dict]], list[int]] = text_lengths):
+                 lengths: Callable[[list[dict]], list[int]] = text_lengths, pin_memory: bool = False):
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
@@ -368,6 +368,9 @@ class ShardLoader:
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
         self.on_bad_sample, self.length_group, self.lengths = on_bad_sample, length_group, lengths
+        # Batches in page-locked memory (the DataLoader's pinning thread), so that the step's copies to a GPU
+        # are asynchronous (non_blocking) rather than staged through a pageable buffer.
+        self.pin_memory = pin_memory
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
@@ -409,38 +412,68 @@ class ShardLoader:
                                      [0] * self.workers)
 
     def __iter__(self) -> Iterator[dict]:
-        """Endless: epoch after epoch, starting from the saved position."""
-        while True:
-            layout = self._layout(self.state)
-            if self.state.segments[-1].batches < layout.batches_per_rank:
-                yield from self._read(layout)
-            self.state = self._epoch_start(self.state.epoch + 1)
-
-    def _read(self, layout: Layout) -> Iterator[dict]:
-        """The rest of the current segment."""
-        state = self.state
-        current = state.segments[-1]
-        fresh = current.batches == 0
-        dataset = RankStream(layout, state, self.micro_batch, self.seed, self.collate, self.verify,
-                             self.on_bad_sample, self.lengths)
-        # Its own generator: otherwise starting the workers draws their base seed from the training
-        # process's torch RNG, and a resumed run would draw different dropout masks.
-        batches = iter(DataLoader(dataset, batch_size=None, num_workers=self.workers, generator=torch.Generator(),
-                                  multiprocessing_context=_worker_start()))
+        """Endless: epoch after epoch, starting from the saved position. Once half of an epoch's batches are
+        handed out, the next epoch's loader workers start and read ahead (their first shards, shuffle buffers
+        and the DataLoader's prefetch), so the steps after an epoch boundary do not wait for new workers. Half,
+        not at once: a run that ends early in an epoch (most tests) starts no workers it never uses."""
+        reader, ahead = SegmentReader(self, self.state), None
         try:
-            for batch in batches:
-                worker = batch.pop(_WORKER)
-                current.batches += 1
-                state.produced[worker] += 1
-                state.next_worker = (worker + 1) % self.workers
-                yield batch
-                if current.batches >= layout.batches_per_rank:
-                    return
+            while True:
+                for batch in reader:
+                    yield batch
+                    if ahead is None and reader.half_read:
+                        ahead = SegmentReader(self, self._epoch_start(self.state.epoch + 1))
+                reader.close()
+                reader, ahead = ahead or SegmentReader(self, self._epoch_start(self.state.epoch + 1)), None
+                self.state = reader.state
         finally:
-            # Stop the workers (and free their shards) now. Left to the garbage collector, as when an
-            # exception's traceback holds the iterator, its queues can go first and each worker is
-            # then waited for 5 s before it is killed.
-            batches._shutdown_workers()
-        if fresh and current.batches == 0:
+            reader.close()
+            if ahead is not None:
+                ahead.close()
+
+
+class SegmentReader:
+    """The rest of the current segment of one epoch, read by this rank's DataLoader workers; they start
+    (and begin reading ahead) when the reader is made. Iterating updates ``state``, the loader's position."""
+
+    def __init__(self, loader: ShardLoader, state: LoaderState):
+        self.state, self.rank = state, loader.rank
+        self.layout = loader._layout(state)
+        self.batches: Iterator[dict] | None = None
+        self.fresh = state.segments[-1].batches == 0
+        if state.segments[-1].batches < self.layout.batches_per_rank:
+            dataset = RankStream(self.layout, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
+                                 loader.on_bad_sample, loader.lengths)
+            # Its own generator: otherwise starting the workers draws their base seed from the training
+            # process's torch RNG, and a resumed run would draw different dropout masks.
+            self.batches = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
+                                           generator=torch.Generator(), pin_memory=loader.pin_memory,
+                                           multiprocessing_context=_worker_start()))
+
+    @property
+    def half_read(self) -> bool:
+        return 2 * self.state.segments[-1].batches >= self.layout.batches_per_rank
+
+    def __iter__(self) -> Iterator[dict]:
+        state, current = self.state, self.state.segments[-1]
+        if self.batches is None:
+            return
+        for batch in self.batches:
+            worker = batch.pop(_WORKER)
+            current.batches += 1
+            state.produced[worker] += 1
+            state.next_worker = (worker + 1) % len(state.produced)
+            yield batch
+            if current.batches >= self.layout.batches_per_rank:
+                break
+        if self.fresh and current.batches == 0:
             raise ShardError(f"rank {self.rank} got no batch in epoch {state.epoch}: all the data it was given "
                              f"was skipped as bad (data.on_bad_sample=skip)")
+
+    def close(self) -> None:
+        """Stop the workers (and free their shards) now. Left to the garbage collector, as when an exception's
+        traceback holds the iterator, its queues can go first and each worker is then waited for 5 s before
+        it is killed."""
+        if self.batches is not None:
+            self.batches._shutdown_workers()
+            self.batches = None

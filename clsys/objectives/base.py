@@ -78,7 +78,8 @@ class Objective(nn.Module):
         data = self.data_side()
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, data.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
-                           cfg.data.on_bad_sample, cfg.data.length_group_batches, data.sample_lengths)
+                           cfg.data.on_bad_sample, cfg.data.length_group_batches, data.sample_lengths,
+                           pin_memory=cfg.cluster.use_gpu)
 
     def data_side(self) -> Objective:
         """A copy of the objective's data side only (configuration, tokenizer, masker, …): what the loader's
