@@ -35,6 +35,18 @@ def environ_set(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def use_endpoint(monkeypatch, url: str) -> None:
+    """Fresh S3 clients from here on, for ``url`` (a fault proxy): storage caches one per process, and
+    boto3's default session caches the credentials it first found."""
+    import boto3
+
+    from clsys import storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    storage._s3_client.cache_clear()
+
+
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
