@@ -126,6 +126,45 @@ def s3_auth_server():
         proc.wait(timeout=10)
 
 
+FTP_SERVER = """
+import sys
+from pyftpdlib.authorizers import DummyAuthorizer
+from pyftpdlib.handlers import FTPHandler
+from pyftpdlib.servers import FTPServer
+
+authorizer = DummyAuthorizer()
+authorizer.add_anonymous(sys.argv[1], perm="elradfmwMT")
+for user, password in zip(sys.argv[3::2], sys.argv[4::2]):
+    authorizer.add_user(user, password, sys.argv[1], perm="elradfmwMT")
+FTPHandler.authorizer = authorizer
+FTPServer(("127.0.0.1", int(sys.argv[2])), FTPHandler).serve_forever()
+"""
+
+
+@contextlib.contextmanager
+def ftp_server(folder, *users: str):
+    """An FTP server on 127.0.0.1 in its own process, serving ``folder`` writable to anonymous and to each
+    (user, password) of ``users``; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FTP_SERVER, str(folder), str(port), *users],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc)
+        yield f"ftp://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ftp_root(tmp_path):
+    """An anonymous, writable FTP server (``ftp_server``); yields (URL, its folder)."""
+    folder = tmp_path / "ftp"
+    folder.mkdir()
+    with ftp_server(folder) as url:
+        yield url, folder
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> str:
     """The architecture of a 1-layer BERT (hidden 32, 64 positions) for model.init=scratch, with the
