@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(classifier.predict(texts, args.batch_size)))
             return 0
         data = load_labeled(args.file, classifier.labels)
-        print(f"{args.file}: accuracy {classifier.accuracy(data, args.batch_size):.4f} on {len(data)} examples")
+        accuracy = classifier.accuracy(data, args.batch_size)
+        print(storage.redact(f"{args.file}: accuracy {accuracy:.4f} on {len(data)} examples"))
     except (FileNotFoundError, ValueError, storage.StorageError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     return 0
 

@@ -285,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
     except (FileNotFoundError, RuntimeError, storage.StorageError, integrity.IntegrityError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
-    print(f"exported {used} ({chosen}) -> {args.out}")
+    print(storage.redact(f"exported {used} ({chosen}) -> {args.out}"))
     return 0
 
 

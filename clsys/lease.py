@@ -13,6 +13,11 @@ died without releasing it (kill -9, a lost machine), and is taken over. Time is 
 on the watcher's own clock (how long the lease's version stayed the same), so clocks that disagree
 between machines do not matter. A holder whose renewal finds the lease taken over (it was stopped
 longer than the time-to-live) stops at once, so that only the new holder writes the run.
+
+A conditional write the store applied but whose response was lost (a reset connection) is sent again by
+botocore and refused, the lease no longer being at the version it was conditioned on: refused by its
+own success. So a refused write is followed by a read: a record with this driver's holder id (a random
+uuid, which no other driver writes) is its own, and its version is the lease's.
 """
 from __future__ import annotations
 
@@ -46,12 +51,21 @@ class Lease:
     def acquire(self, poll_s: float | None = None) -> None:
         """Take the lease, waiting out one left by a dead driver; LeaseHeld when a live driver holds it."""
         replace = None  # the version a write may replace: None creates the lease
-        while (version := compare_and_swap.write_if(self.url, storage.json_bytes(self.record), replace)) is None:
+        while (version := self._write(replace)) is None:
             replace = self._stale_version(poll_s)
         self.version = version
         self._checked_conditions()
         self._renewer = threading.Thread(target=self._renew, name="clsys-lease", daemon=True)
         self._renewer.start()
+
+    def _write(self, replace: str | None) -> str | None:
+        """Write the record if the lease is at version ``replace`` (absent: None); the lease's new version,
+        or None when another driver's record is there."""
+        version = compare_and_swap.write_if(self.url, storage.json_bytes(self.record), replace)
+        if version is None and (found := compare_and_swap.read_versioned(self.url)) is not None:
+            if storage.parse_json(found[0], self.url).get("holder") == self.record["holder"]:
+                return found[1]  # this driver's write went through; only its response was lost
+        return version
 
     def _stale_version(self, poll_s: float | None) -> str | None:
         """Watch the lease someone holds: the version to take over once it has gone unrenewed for its
@@ -87,7 +101,7 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 3):
             self.record["renewals"] += 1
             try:
-                version = compare_and_swap.write_if(self.url, storage.json_bytes(self.record), self.version)
+                version = self._write(self.version)
             except storage.StorageError as err:  # the store is unreachable: try again at the next beat
                 print(f"[clsys] warning: renewing {self.url} failed: {err}", file=sys.stderr, flush=True)
                 continue

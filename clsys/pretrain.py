@@ -230,7 +230,7 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
         for seeded, run in runs:
             save_config(seeded, run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
 
     print(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
@@ -239,7 +239,7 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
     results = []
     for seeded, run in runs:
         if storage.exists(storage.join(run, RESULT)):
-            print(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped", flush=True)
+            print(storage.redact(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped"), flush=True)
         else:
             train(seeded, None, css_lm_worker)
         results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})
@@ -252,10 +252,11 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
     for r in results:
         print(f"{r['seed']:>6} {r['warmup']['dev_accuracy']:>12.4f} {r['warmup']['test_accuracy']:>13.4f} "
               f"{r['dev_accuracy']:>8.4f} {r['test_accuracy']:>8.4f}")
-    print(f"\n[clsys] {cfg.objective.method}: test accuracy {100 * summary['test_accuracy_mean']:.2f} ± "
-          f"{100 * summary['test_accuracy_std']:.2f} over {len(tests)} seed(s); "
-          f"summary {storage.join(run_url(cfg), 'summary.json')}")
-    print(f"  classifier:  python -m clsys.classify --model {storage.join(results[-1]['run'], 'export')} FILE")
+    print(storage.redact(f"\n[clsys] {cfg.objective.method}: test accuracy "
+                         f"{100 * summary['test_accuracy_mean']:.2f} ± {100 * summary['test_accuracy_std']:.2f} over "
+                         f"{len(tests)} seed(s); summary {storage.join(run_url(cfg), 'summary.json')}"))
+    classifier = storage.join(results[-1]["run"], "export")
+    print(storage.redact(f"  classifier:  python -m clsys.classify --model {classifier} FILE"))
     return 0
 
 
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(dotted_options_as_overrides(sys.argv[1:] if argv is None else list(argv)))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
     # agent unpacks the working dir into the same shared folder, replacing the one this process is in
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cluster.lease_ttl_s:
             run_lease.acquire()
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     try:
         if cfg.objective.name == "css_lm":
@@ -378,24 +379,25 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         clear_stop_marker(run)
         save_config(cfg, run)
     except (ConfigError, storage.StorageError, FileNotFoundError, ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
 
-    print(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
-          f"ZeRO-{cfg.train.zero_stage}, {cfg.train.steps} steps" + (f", resuming {resume}" if resume else ""))
+    print(storage.redact(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
+                         f"ZeRO-{cfg.train.zero_stage}, {cfg.train.steps} steps"
+                         + (f", resuming {resume}" if resume else "")))
     install_stop_handlers(run)
     init_ray(cfg)
     install_stop_handlers(run)  # again: ray.init installs a SIGTERM handler of its own
     try:
         train(cfg, resume)
     except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 1
     os.chdir(started_in if os.path.isdir(started_in) else tempfile.gettempdir())
     latest = checkpoint.complete_checkpoints(run)[-1][0]
     if latest < cfg.train.steps:  # the workers stopped on request
-        print(f"[clsys] stopped at step {latest} on request; checkpoint {checkpoint.step_url(run, latest)}; "
-              f"resume with --resume latest", flush=True)
+        print(storage.redact(f"[clsys] stopped at step {latest} on request; checkpoint "
+                             f"{checkpoint.step_url(run, latest)}; resume with --resume latest"), flush=True)
         return EXIT_PREEMPTED
 
     from clsys.export import export
@@ -404,9 +406,9 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     try:
         used, chosen = export(run, exported)
     except (integrity.IntegrityError, storage.StorageError) as err:
-        print(f"error: training finished, but the export failed: {err}", file=sys.stderr)
+        print(f"error: training finished, but the export failed: {storage.redact(str(err))}", file=sys.stderr)
         return 1
-    print(f"[clsys] exported {used} ({chosen})", flush=True)
+    print(storage.redact(f"[clsys] exported {used} ({chosen})"), flush=True)
     if cfg.eval.sts_test:
         with tempfile.TemporaryDirectory() as local:
             if not storage.is_local(exported):
@@ -417,11 +419,11 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         add_evaluation(exported, title, rows)  # the figures travel with the model, in its card
 
     print("\n[clsys] done")
-    print(f"  shards:      {stream}")
-    print(f"  checkpoints: {storage.join(run, 'checkpoints')}")
-    print(f"  model:       {exported}")
+    print(storage.redact(f"  shards:      {stream}"))
+    print(storage.redact(f"  checkpoints: {storage.join(run, 'checkpoints')}"))
+    print(storage.redact(f"  model:       {exported}"))
     if not storage.is_local(run):
-        print(f"  logs:        python -m clsys.tensorboard {run}")
+        print(storage.redact(f"  logs:        python -m clsys.tensorboard {run}"))
     else:
         print(f"  logs:        tensorboard --logdir {storage.parse(run).path}/tensorboard --host 127.0.0.1")
     return 0

@@ -4,7 +4,9 @@ every other scheme fsspec knows (``gs://``, ``az://``, ``hf://``, …).
 Everything that reads or writes shards, manifests, checkpoints or logs goes through here, so
 that S3 specifics (endpoint, retries, multipart) live in one file. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
-nothing here logs them.
+nothing here logs them. A URL may carry a secret of another scheme's (a token as its user name, a
+signed query): what clsys prints of a URL goes through ``redact`` (``clsys/redaction.py``), and a
+StorageError's message always does.
 
 Other schemes go through fsspec (``clsys/fsspec_store.py``, which says how they differ).
 
@@ -30,11 +32,16 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from clsys import fsspec_store
+from clsys.redaction import redact, userinfo_end
 from clsys.s3_reader import S3Reader
 
 
 class StorageError(RuntimeError):
-    """A storage operation failed; the message names the URL and the cause."""
+    """A storage operation failed; the message names the URL and the cause, never a secret the URL
+    holds (the cause may be a library's message, which quotes the URL whole)."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))
 
 
 ATTEMPTS = 8  # tries per request (botocore), per download part (s3transfer), per stalled read (S3Reader)
@@ -57,15 +64,18 @@ def parse(url: str | os.PathLike) -> Location:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
         return Location("file", "", str(Path(rest if sep else url).expanduser().resolve()))
+    userinfo = rest[:max(userinfo_end(rest), 0)]
+    if ":" in userinfo:
+        # Printed URLs are redacted, but a URL is also written down as given (the run's config, manifests).
+        raise StorageError(f"{url}: a password in a storage URL would be stored with it (the run's config, "
+                           f"manifests); give it through the filesystem's configuration instead "
+                           f"(FSSPEC_{scheme.upper()}_PASSWORD, docs/operations/storage.md)")
+    if scheme == "s3" and userinfo:
+        raise StorageError(f"{url}: s3:// URLs carry no credentials (they come from the AWS chain: "
+                           f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, an instance role)")
     bucket, _, key = rest.partition("/")
     if scheme == "s3" and not bucket:
         raise StorageError(f"{url}: an s3:// URL needs a bucket name")
-    if ":" in bucket.rpartition("@")[0]:
-        # URLs are printed (console lines, errors, manifests): a password in one would be logged.
-        host = bucket.rpartition("@")[2]
-        raise StorageError(f"{scheme}://…@{host}: a password in a storage URL would be printed in logs; give it "
-                           f"through the filesystem's configuration instead (FSSPEC_{scheme.upper()}_PASSWORD, "
-                           f"docs/operations/storage.md)")
     if scheme != "s3":
         fsspec_store.check_scheme(url, scheme)  # an unknown scheme, or one whose package is missing, fails here
     return Location(scheme, bucket, key.strip("/"))

@@ -43,8 +43,8 @@ class EventSync:
             try:
                 self.sync()
             except storage.StorageError as err:  # keep training; the next round tries again
-                print(f"[clsys] TensorBoard sync to {self.url} failed, retrying later: {err}", file=sys.stderr,
-                      flush=True)
+                print(storage.redact(f"[clsys] TensorBoard sync to {self.url} failed, retrying later: {err}"),
+                      file=sys.stderr, flush=True)
 
     def sync(self) -> int:
         """Copy what changed since the last call; returns the number of files copied."""
@@ -141,20 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         pulled: dict[str, int] = {}
         count = pull(run, cache, pulled)
         if not pulled:
-            print(f"error: no TensorBoard event files under {run} (looked in {LOG_FOLDER}/ and */{LOG_FOLDER}/)",
-                  file=sys.stderr)
+            print(storage.redact(f"error: no TensorBoard event files under {run} (looked in {LOG_FOLDER}/ and "
+                                 f"*/{LOG_FOLDER}/)"), file=sys.stderr)
             return 2
         url = serve(cache, args.host, args.port)
-        print(f"[clsys] TensorBoard for {run} at {url} ({count} files pulled into {cache}, "
-              f"refreshed every {args.refresh:g} s)", flush=True)
+        print(storage.redact(f"[clsys] TensorBoard for {run} at {url} ({count} files pulled into {cache}, "
+                             f"refreshed every {args.refresh:g} s)"), flush=True)
         while True:
             time.sleep(args.refresh)
             try:
                 pull(run, cache, pulled)
             except storage.StorageError as err:
-                print(f"[clsys] pull from {run} failed, retrying: {err}", file=sys.stderr, flush=True)
+                print(storage.redact(f"[clsys] pull from {run} failed, retrying: {err}"), file=sys.stderr, flush=True)
     except storage.StorageError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

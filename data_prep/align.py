@@ -415,7 +415,7 @@ def _summary(rows: list[tuple], seconds: float) -> None:
     print(f"{'pair':<8}{'linked':>8}{'lead':>7}{'anchors':>9}{'encoder':>9}{'samples':>9}{'shards':>8}  manifest")
     for pair, counts, methods, _, writer, url in rows:
         print(f"{pair:<8}{counts['linked_articles']:>8}{methods['lead']:>7}{methods['anchors']:>9}"
-              f"{methods['encoder']:>9}{writer.samples:>9}{len(writer.shards):>8}  {url}")
+              f"{methods['encoder']:>9}{writer.samples:>9}{len(writer.shards):>8}  {storage.redact(url)}")
     for pair, _, _, dropped, _, _ in rows:
         print(f"dropped {pair}: " + ", ".join(f"{k}={v}" for k, v in dropped.items()))
     print(f"done in {seconds:.1f}s")

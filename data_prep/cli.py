@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clsys import storage
+
 
 def positive(typ, allow_zero: bool = False):
     """An argparse type: a number of type ``typ`` that must be > 0 (>= 0 with ``allow_zero``)."""
@@ -20,6 +22,7 @@ def positive(typ, allow_zero: bool = False):
 
 
 def fail(command: str, message: str, code: int = 2) -> int:
-    """Print the one-line error every command uses and return its exit code."""
-    print(f"data_prep {command}: error: {message}", file=sys.stderr)
+    """Print the one-line error every command uses (without the secrets of the URLs it names) and return
+    its exit code."""
+    print(f"data_prep {command}: error: {storage.redact(message)}", file=sys.stderr)
     return code

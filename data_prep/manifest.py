@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
 
     bad = [s for s in scans if s.error]
     for scan in bad:
-        print(f"data_prep manifest: {'skipped' if args.skip_bad else 'bad shard'} {scan.url}: {scan.error}")
+        what = "skipped" if args.skip_bad else "bad shard"
+        print(storage.redact(f"data_prep manifest: {what} {scan.url}: {scan.error}"))
     if bad and not args.skip_bad:
         return cli.fail("manifest", f"{len(bad)} of {len(scans)} shards cannot be trained on (above); "
                                     "fix them or pass --skip-bad to leave them out")
@@ -133,8 +134,8 @@ def main(args: argparse.Namespace) -> int:
     except StorageError as err:
         return cli.fail("manifest", str(err))
     others = ", ".join(f".{ext} {n}" for ext, n in sorted(members.items()) if ext != args.text_member)
-    print(f"{manifest['samples']} samples in {len(good)} shards ({len(bad)} skipped), text from .{args.text_member}"
-          f"{f' (skipped unread: {others})' if others else ''} in {time.time() - start:.1f}s -> "
-          f"{storage.join(out, MANIFEST)}; train with data.url={os.path.dirname(out.rstrip('/'))} "
-          f"(stream '{manifest['stream']}')")
+    print(storage.redact(f"{manifest['samples']} samples in {len(good)} shards ({len(bad)} skipped), text from "
+                         f".{args.text_member}{f' (skipped unread: {others})' if others else ''} in "
+                         f"{time.time() - start:.1f}s -> {storage.join(out, MANIFEST)}; train with "
+                         f"data.url={os.path.dirname(out.rstrip('/'))} (stream '{manifest['stream']}')"))
     return 0

@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
                                                        "max_tokens": args.max_tokens}})
     except (StorageError, ShardError) as err:
         return cli.fail("tokenize", str(err))
-    print(f"{writer.samples} samples, {tokens} tokens (tokenizer {args.tokenizer}, fingerprint {fingerprint[:12]}, "
-          f"at most {args.max_tokens} per sample) in {len(writer.shards)} shards ({writer.uploaded} uploaded, "
-          f"{writer.unchanged} unchanged: upload skipped) in {time.time() - start:.1f}s -> {url}")
+    print(storage.redact(f"{writer.samples} samples, {tokens} tokens (tokenizer {args.tokenizer}, fingerprint "
+                         f"{fingerprint[:12]}, at most {args.max_tokens} per sample) in {len(writer.shards)} shards "
+                         f"({writer.uploaded} uploaded, {writer.unchanged} unchanged: upload skipped) in "
+                         f"{time.time() - start:.1f}s -> {url}"))
     return 0

@@ -257,7 +257,8 @@ class ShardWriter:
         if self.previous.get(info.name) == info.sha256 and storage.exists(dest):
             self.unchanged += 1
             storage.discard_staged(staged)
-            print(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped", file=sys.stderr)
+            print(storage.redact(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped"),
+                  file=sys.stderr)
         else:
             self._remove_old_manifest()
             self.uploaded += 1

@@ -255,7 +255,8 @@ def main(args: argparse.Namespace) -> int:
             storage.upload_dir(out_dir, args.out)
         except StorageError as err:
             return cli.fail("tokenizer", str(err))
-    print(f"vocab {len(tokenizer)} ({args.model_type}), {n_lines} training sentences, alpha {args.alpha} -> {args.out}")
+    print(storage.redact(f"vocab {len(tokenizer)} ({args.model_type}), {n_lines} training sentences, alpha "
+                         f"{args.alpha} -> {args.out}"))
     for lang, r in sorted(report.items()):
         print(f"  {lang}: {r.available} available, share {r.share:.3f}, {r.sampled} sampled "
               f"({r.distinct} distinct), UNK rate {r.unk_rate:.4%} on {r.held_out} held out")

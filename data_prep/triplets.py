@@ -197,8 +197,8 @@ def main(args: argparse.Namespace) -> int:
                                               "premises": len(triplets.hypotheses), "skipped": skipped})
     except (InputError, StorageError) as err:
         return cli.fail("triplets", str(err))
-    print(f"premises: {len(triplets.hypotheses)} in {time.time() - start:.1f}s; triplets: {writer.samples} "
-          f"in {len(writer.shards)} shards ({writer.uploaded} uploaded, {writer.unchanged} unchanged: "
-          f"upload skipped) -> {manifest}")
+    print(storage.redact(f"premises: {len(triplets.hypotheses)} in {time.time() - start:.1f}s; triplets: "
+                         f"{writer.samples} in {len(writer.shards)} shards ({writer.uploaded} uploaded, "
+                         f"{writer.unchanged} unchanged: upload skipped) -> {manifest}"))
     print("skipped: " + ", ".join(f"{k}={v}" for k, v in skipped.items()))
     return 0

@@ -401,12 +401,13 @@ def main(args: argparse.Namespace) -> int:
             level = "warning" if args.allow_truncated else "error"
             for s, path in zip(job.sources, inputs):
                 if s.status == "truncated":
-                    print(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte {s.byte_offset}); "
-                          f"kept the {s.pages_read} complete pages before it", file=sys.stderr)
+                    print(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte "
+                                         f"{s.byte_offset}); kept the {s.pages_read} complete pages before it"),
+                          file=sys.stderr)
                 elif s.status == "corrupt":
-                    print(f"data_prep wiki: {level}: {path}: {s.error} in the bz2 block at byte {s.byte_offset} "
-                          f"(the first unreadable one); lost {s.pages_lost} pages, kept the {s.pages_read} pages "
-                          "of the other blocks", file=sys.stderr)
+                    print(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} in the bz2 block at byte "
+                                         f"{s.byte_offset} (the first unreadable one); lost {s.pages_lost} pages, kept "
+                                         f"the {s.pages_read} pages of the other blocks"), file=sys.stderr)
             # A folder without text gets no manifest (so it cannot be trained on by mistake); the other
             # languages of the run are written all the same.
             empty = [folder for folder, writers in job.writers.items() if writers["sentences"].samples == 0]
@@ -436,8 +437,9 @@ def _summary(job: WikiJob, urls: dict[tuple[str, str], str], seconds: float) -> 
           f"in {seconds:.1f}s ({pages / max(seconds, 1e-9):.0f} pages/s)")
     for (folder, name), url in urls.items():
         writer = job.writers[folder][name]
-        print(f"{'sentences' if name == 'sentences' else 'passages'}: {writer.samples} in {len(writer.shards)} "
-              f"shards ({writer.uploaded} uploaded, {writer.unchanged} unchanged: upload skipped) -> {url}")
+        print(storage.redact(f"{'sentences' if name == 'sentences' else 'passages'}: {writer.samples} in "
+                             f"{len(writer.shards)} shards ({writer.uploaded} uploaded, {writer.unchanged} unchanged: "
+                             f"upload skipped) -> {url}"))
     print(summary_table(job.counts))
 
 

@@ -35,6 +35,18 @@ def environ_set(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def use_endpoint(monkeypatch, url: str) -> None:
+    """Fresh S3 clients from here on, for ``url`` (a fault proxy): storage caches one per process, and
+    boto3's default session caches the credentials it first found."""
+    import boto3
+
+    from clsys import storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    storage._s3_client.cache_clear()
+
+
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -112,6 +124,45 @@ def s3_auth_server():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+FTP_SERVER = """
+import sys
+from pyftpdlib.authorizers import DummyAuthorizer
+from pyftpdlib.handlers import FTPHandler
+from pyftpdlib.servers import FTPServer
+
+authorizer = DummyAuthorizer()
+authorizer.add_anonymous(sys.argv[1], perm="elradfmwMT")
+for user, password in zip(sys.argv[3::2], sys.argv[4::2]):
+    authorizer.add_user(user, password, sys.argv[1], perm="elradfmwMT")
+FTPHandler.authorizer = authorizer
+FTPServer(("127.0.0.1", int(sys.argv[2])), FTPHandler).serve_forever()
+"""
+
+
+@contextlib.contextmanager
+def ftp_server(folder, *users: str):
+    """An FTP server on 127.0.0.1 in its own process, serving ``folder`` writable to anonymous and to each
+    (user, password) of ``users``; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FTP_SERVER, str(folder), str(port), *users],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, proc)
+        yield f"ftp://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ftp_root(tmp_path):
+    """An anonymous, writable FTP server (``ftp_server``); yields (URL, its folder)."""
+    folder = tmp_path / "ftp"
+    folder.mkdir()
+    with ftp_server(folder) as url:
+        yield url, folder
 
 
 @pytest.fixture(scope="session")

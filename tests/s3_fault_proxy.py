@@ -13,11 +13,15 @@ some requests get a fault instead:
               the body (``Fault.keep``, half by default), and close; responses without a body
               pass untouched and are not counted
     slow      forward after a delay (``Fault.delay`` seconds)
+    lost      forward (the server applies the request), then close the connection with a TCP RST
+              instead of relaying the response: the client cannot tell whether the request took
+              effect, and retries it
 
 The schedule is deterministic: ``Fault("truncate", "GET", every=3)`` hits the 3rd, 6th, 9th, …
-request whose method matches (``ANY`` matches all). Rules count independently and the first rule
-that fires wins. With ``every >= 2`` a rule never hits a retried request twice in a row (unless
-other requests interleave), so clients that retry make progress.
+request whose method matches (``ANY`` matches all), at most ``Fault.times`` times when that is set.
+Rules count independently and the first rule that fires wins. With ``every >= 2`` a rule never hits
+a retried request twice in a row (unless other requests interleave), so clients that retry make
+progress.
 
 In-process::
 
@@ -52,7 +56,7 @@ from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-KINDS = ("reset", "500", "503", "truncate", "slow")
+KINDS = ("reset", "500", "503", "truncate", "slow", "lost")
 _ERRORS = {
     "500": ("InternalError", "We encountered an internal error. Please try again."),
     "503": ("SlowDown", "Please reduce your request rate."),
@@ -66,6 +70,7 @@ class Fault:
     every: int = 1
     delay: float = 0.5  # seconds, for "slow"
     keep: float = 0.5  # the fraction of the body "truncate" sends
+    times: int = 0  # inject at most this many times; 0: no limit
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -96,6 +101,7 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()  # faults actually injected, per kind
         self.requests = 0
         self._seen = [0] * len(self.faults)  # matching requests so far, per rule
+        self._fired = [0] * len(self.faults)  # times each rule was chosen
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self))
         self._server.daemon_threads = True
@@ -129,8 +135,10 @@ class FaultProxy:
             for i, fault in enumerate(self.faults):
                 if fault.method in ("ANY", method):
                     self._seen[i] += 1
-                    if chosen is None and self._seen[i] % fault.every == 0:
+                    spent = fault.times and self._fired[i] >= fault.times
+                    if chosen is None and self._seen[i] % fault.every == 0 and not spent:
                         chosen = fault
+                        self._fired[i] += 1
             return chosen
 
     def _count(self, kind: str) -> None:
@@ -164,6 +172,9 @@ def _make_handler(proxy: FaultProxy):
                 proxy._count(kind)
                 time.sleep(fault.delay)
             status, reason, headers, data = self._forward(body)
+            if kind == "lost":
+                proxy._count(kind)
+                return self._reset()
             sent = math.ceil(len(data) * fault.keep) if kind == "truncate" else len(data)
             cut = sent < len(data)  # a body too short to cut passes whole
             if cut:

@@ -1,6 +1,7 @@
 """One driver per run: the compare-and-swap writes the lease is built on, and the lease between real
 processes on file:// and on a real S3 server (moto on 127.0.0.1, which enforces If-None-Match and
-If-Match as S3 does). tests/test_pretrain.py starts a second `python -m clsys.pretrain` beside a
+If-Match as S3 does), also when a conditional write's response is lost (tests/s3_fault_proxy.py).
+tests/test_pretrain.py starts a second `python -m clsys.pretrain` beside a
 running one and sees it refused."""
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import time
 
 import pytest
+from conftest import use_endpoint
+from s3_fault_proxy import Fault, FaultProxy
 
 from clsys import compare_and_swap, storage
 from clsys.lease import LEASE, Lease, LeaseHeld
@@ -68,3 +71,53 @@ def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.fixture
+def lossy_s3(s3_server, s3_bucket, monkeypatch):
+    """``lossy_s3(fault)``: a run folder on the test server behind a FaultProxy injecting ``fault``."""
+    proxies = []
+
+    def start(fault: Fault) -> tuple[str, FaultProxy]:
+        proxies.append(FaultProxy(s3_server, [fault]).start())
+        use_endpoint(monkeypatch, proxies[-1].endpoint)
+        return f"{s3_bucket}/run", proxies[-1]
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()
+    storage._s3_client.cache_clear()  # later tests get clients of the restored endpoint
+
+
+@pytest.mark.parametrize("retries", [storage.ATTEMPTS, 0])
+def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, monkeypatch, capsys):
+    """Every third PUT (the create and the check of conditions pass) is applied by the server but its
+    response never arrives: botocore sends the same If-Match PUT again and gets 412, as the lease it
+    matched has just been replaced, by this very write. With no retries the renewal fails instead, and
+    the next one gets the 412. Either way the driver must see its own record there and keep the run."""
+    monkeypatch.setattr(storage, "ATTEMPTS", retries)  # botocore's max_attempts; before the client is made
+    run_url, proxy = lossy_s3(Fault("lost", "PUT", every=3))
+    lost = []
+    lease = Lease(run_url, 1.5, on_lost=lost.append)  # renewed every 0.5 s
+    lease.acquire()
+    time.sleep(3)
+    assert not lost, "a driver stopped for a renewal whose response was lost"
+    assert proxy.injected["lost"] >= 2
+    assert ("warning: renewing" in capsys.readouterr().err) == (retries == 0)
+    stored = storage.read_json(storage.join(run_url, LEASE))
+    assert stored["holder"] == lease.record["holder"] and stored["renewals"] >= 4
+    lease.release()
+    assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is None
+
+
+def test_a_lease_created_with_a_lost_response_is_taken_at_once(lossy_s3, capsys):
+    """The create (If-None-Match: *) is applied, its response lost, and the retry gets 412: the lease
+    the driver finds is its own, which it must not watch for a time-to-live as if another held it."""
+    run_url, proxy = lossy_s3(Fault("lost", "PUT", times=1))
+    lease = Lease(run_url, 5.0, on_lost=lambda lease: pytest.fail("the lease was lost"))
+    started = time.monotonic()
+    lease.acquire(poll_s=0.1)
+    assert time.monotonic() - started < 2.5 and proxy.injected["lost"] == 1
+    assert "is held by" not in capsys.readouterr().out
+    assert storage.read_json(storage.join(run_url, LEASE))["holder"] == lease.record["holder"]
+    lease.release()

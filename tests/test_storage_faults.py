@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-import boto3
 import pytest
 from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+from conftest import use_endpoint
 from s3_fault_proxy import Fault, FaultProxy
 
 from clsys import storage
@@ -28,14 +28,6 @@ SIZES = [1_000, 0, 12 * 2**20, 300_000]  # 12 MiB: upload_file sends it in 5 MiB
 def texts_of(samples: list[dict]) -> dict:
     """A collate for the loader's worker processes (module level: they get it pickled)."""
     return {"txt": [x["txt"] for x in samples]}
-
-
-def use_endpoint(monkeypatch, url: str) -> None:
-    """Fresh clients from here on: storage caches one per process, and boto3's default session
-    caches the credentials it first found."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-    storage._s3_client.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,6 @@ from clsys import compare_and_swap, fsspec_store, storage
 from clsys.data.shard_reader import ShardError, load_shards, read_shard
 from clsys.lease import Lease
 from clsys.storage import StorageError
-from conftest import _wait_for_port, free_port
 from data_prep.shards import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,35 +213,6 @@ def test_no_run_lease_without_compare_and_swap(mem):
     with pytest.raises(StorageError, match="set cluster.lease_ttl_s=0 to run without a lease"):
         Lease(mem, 30.0).acquire()
     assert not storage.exists(url)
-
-
-FTP_SERVER = """
-import sys
-from pyftpdlib.authorizers import DummyAuthorizer
-from pyftpdlib.handlers import FTPHandler
-from pyftpdlib.servers import FTPServer
-
-authorizer = DummyAuthorizer()
-authorizer.add_anonymous(sys.argv[1], perm="elradfmwMT")
-FTPHandler.authorizer = authorizer
-FTPServer(("127.0.0.1", int(sys.argv[2])), FTPHandler).serve_forever()
-"""
-
-
-@pytest.fixture
-def ftp_root(tmp_path):
-    """An FTP server on 127.0.0.1 in its own process, anonymous and writable; yields (URL, its folder)."""
-    folder = tmp_path / "ftp"
-    folder.mkdir()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", FTP_SERVER, str(folder), str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port, proc)
-        yield f"ftp://127.0.0.1:{port}", folder
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_data_prep_writes_a_stream_over_ftp_that_training_reads(ftp_root, tmp_path):

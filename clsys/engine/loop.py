@@ -153,7 +153,7 @@ def train_worker(payload: dict) -> None:
         if rank == 0:
             elastic = "" if saved_world == world else \
                 f" (written by {saved_world} ranks, {'resharded for' if resume.universal else 'loaded whole on'} {world})"
-            print(f"[clsys] resumed from {resume.url} at step {step}{elastic}", flush=True)
+            print(storage.redact(f"[clsys] resumed from {resume.url} at step {step}{elastic}"), flush=True)
             if cfg.train.log_sample_keys:
                 _drop_sample_keys_after(run, step)
 
@@ -203,8 +203,9 @@ def train_worker(payload: dict) -> None:
         def complete(url: str) -> None:  # rank 0, once the checkpoint is complete
             if record is not None:
                 best.write(record)
-            print(f"[clsys] step {saved_step}: checkpoint {url}" +
-                  (f", the best {metric} so far ({record.value:.2f})" if record is not None else ""), flush=True)
+            print(storage.redact(f"[clsys] step {saved_step}: checkpoint {url}" +
+                                 (f", the best {metric} so far ({record.value:.2f})" if record is not None else "")),
+                  flush=True)
 
         writer.save(step, rank_state, meta, hf_files, protect, complete if rank == 0 else None)
         if rank == 0:
