@@ -23,7 +23,7 @@ import tempfile
 import torch
 
 from clsys import integrity, storage
-from clsys.engine.checkpoint import latest_checkpoint, weights_only_loads
+from clsys.engine.checkpoint import latest_checkpoint, listed_apart, required_files, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model_card import write_card
 from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
@@ -228,10 +228,12 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
 
 
 def check_checkpoint(url: str, local: str, meta: dict) -> None:
-    """Raise IntegrityError naming the files of the downloaded checkpoint ``local`` that differ from the
-    checksums its writer recorded (checkpoints written before clsys recorded any are not checked)."""
+    """Raise IntegrityError naming the checkpoint and its bad files when the checkpoint ``url``,
+    downloaded whole to ``local``, fails the checks resume makes (``clsys.engine.checkpoint``;
+    checkpoints written before clsys recorded checksums are not checked)."""
     try:
-        integrity.check_folder(local, required="sums" in meta, name=url)
+        integrity.check_folder(local, name=url, recorded="sums" in meta, listed_apart=listed_apart,
+                               required=required_files(meta))
     except integrity.IntegrityError as err:
         raise integrity.IntegrityError(f"damaged checkpoint {err} (export another one: --checkpoint <step folder>)"
                                        ) from None
@@ -266,7 +268,7 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])
         # The model card is left out: it is meant to be edited (evaluation tables, a hub's metadata).
-        integrity.write_folder_sums(folder, skip=lambda rel: rel == "README.md")
+        integrity.write_folder_sums(folder, skip=lambda rel: rel == integrity.MODEL_CARD)
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
