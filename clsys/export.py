@@ -8,6 +8,9 @@ model card (``clsys.model_card``). Works from any ZeRO stage: DeepSpeed's own co
 full fp32 weights from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
 run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
 The choice is printed and recorded in the folder's ``clsys_export.json``.
+
+``--out`` is replaced only when it is a clsys export (or an empty folder, or nothing yet): the export
+is built in a temporary folder and published (``publish``) once whole.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import tempfile
 
 import torch
 
+from pathlib import Path
+
 from clsys import integrity, storage
-from clsys.engine.checkpoint import latest_checkpoint, weights_only_loads
+from clsys.engine.checkpoint import latest_checkpoint, listed_apart, required_files, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model_card import write_card
 from clsys.model.encoder import (POOLER_MODEL_TYPES, encoder_from_config, pooler_weights, resolve_model_path,
@@ -201,14 +206,63 @@ def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, 
     _save_filled(model, full, folder, tokenizer_dir, "reranker")
 
 
-def publish(folder: str, out: str) -> None:
-    """Put the finished local ``folder`` at ``out``: a local folder replaced whole, or uploaded to s3://."""
+RECORD = "clsys_export.json"
+# The record every clsys export holds: clsys.export's, and CSS-LM's classifier (clsys.engine.css_pipeline).
+EXPORT_RECORDS = (RECORD, "classifier.json")
+
+
+def check_replaceable(out: str) -> None:
+    """Refuse (FileExistsError naming it) an ``out`` that ``publish`` must not replace: anything but an
+    empty folder, nothing, or a clsys export (one of ``EXPORT_RECORDS`` at its top). ``--out ~/models``
+    or ``--out .`` used to be deleted whole."""
     target = storage.parse(out)
+    if target.scheme == "file" and os.path.lexists(target.path) and not os.path.isdir(target.path):
+        raise FileExistsError(f"{out}: not a folder: refusing to replace it with an export; choose another --out")
     if target.scheme == "file":
-        shutil.rmtree(target.path, ignore_errors=True)
-        shutil.copytree(folder, target.path)
+        names = os.listdir(target.path) if os.path.isdir(target.path) else []
     else:
-        storage.upload_dir(folder, out)
+        names = [rel for _, rel in storage.list_relative(out)]
+    if names and not set(names) & set(EXPORT_RECORDS):
+        raise FileExistsError(f"{out}: not a clsys export (it holds no {' or '.join(EXPORT_RECORDS)}) and not "
+                              f"empty: refusing to replace it; choose another --out")
+
+
+def publish(folder: str, out: str) -> None:
+    """Put the finished local ``folder`` at ``out`` in place of what ``check_replaceable`` lets it replace.
+
+    On a filesystem the folder is copied to a temporary folder beside ``out`` and renamed to it (the
+    previous export renamed aside just before, deleted just after): a copy that fails leaves the
+    previous export as it was and nothing beside it. Object storage (s3://) has no rename: the previous
+    export's COMPLETE is deleted first, then its objects the new export lacks, and the new files are
+    uploaded with COMPLETE last, so that an upload cut short leaves a folder without COMPLETE.
+    """
+    check_replaceable(out)
+    target = storage.parse(out)
+    if target.scheme != "file":
+        storage.delete(storage.join(out, integrity.SEAL))
+        new = {path.relative_to(folder).as_posix() for path in Path(folder).rglob("*") if path.is_file()}
+        for obj, rel in list(storage.list_relative(out)):
+            if rel not in new:
+                storage.delete(obj)
+        integrity.upload_sealed(folder, out)
+        return
+    parent, name = os.path.split(target.path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}.clsys-export-", dir=parent)
+    aside = f"{staging}-previous"
+    try:
+        shutil.copytree(folder, staging, dirs_exist_ok=True)
+        if os.path.lexists(target.path):
+            os.rename(target.path, aside)
+        try:
+            os.rename(staging, target.path)
+        except BaseException:
+            if os.path.lexists(aside):
+                os.rename(aside, target.path)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
@@ -228,10 +282,12 @@ def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
 
 
 def check_checkpoint(url: str, local: str, meta: dict) -> None:
-    """Raise IntegrityError naming the files of the downloaded checkpoint ``local`` that differ from the
-    checksums its writer recorded (checkpoints written before clsys recorded any are not checked)."""
+    """Raise IntegrityError naming the checkpoint and its bad files when the checkpoint ``url``,
+    downloaded whole to ``local``, fails the checks resume makes (``clsys.engine.checkpoint``;
+    checkpoints written before clsys recorded checksums are not checked)."""
     try:
-        integrity.check_folder(local, required="sums" in meta, name=url)
+        integrity.check_folder(local, name=url, recorded="sums" in meta, listed_apart=listed_apart,
+                               required=required_files(meta))
     except integrity.IntegrityError as err:
         raise integrity.IntegrityError(f"damaged checkpoint {err} (export another one: --checkpoint <step folder>)"
                                        ) from None
@@ -242,6 +298,7 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
     returns the step folder used and why it was chosen."""
     from transformers import AutoConfig
 
+    check_replaceable(out)  # before the work, not after it
     url, chosen = choose_checkpoint(checkpoint, run)
     work = tempfile.mkdtemp(prefix="clsys-export-")
     try:
@@ -262,11 +319,11 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
             write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
         record = {"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
                   "pooling": meta["export_pooling"], "pooler": pooler}
-        with open(os.path.join(folder, "clsys_export.json"), "w") as f:
+        with open(os.path.join(folder, RECORD), "w") as f:
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])
         # The model card is left out: it is meant to be edited (evaluation tables, a hub's metadata).
-        integrity.write_folder_sums(folder, skip=lambda rel: rel == "README.md")
+        integrity.write_folder_sums(folder, skip=lambda rel: rel == integrity.MODEL_CARD)
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -284,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
-    except (FileNotFoundError, RuntimeError, storage.StorageError, integrity.IntegrityError, KeyError) as err:
+    except (OSError, RuntimeError, storage.StorageError, integrity.IntegrityError, KeyError) as err:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     print(storage.redact(f"exported {used} ({chosen}) -> {args.out}"))

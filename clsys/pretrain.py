@@ -405,7 +405,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     exported = storage.join(run, "export")
     try:
         used, chosen = export(run, exported)
-    except (integrity.IntegrityError, storage.StorageError) as err:
+    except (integrity.IntegrityError, storage.StorageError, OSError) as err:
         print(f"error: training finished, but the export failed: {storage.redact(str(err))}", file=sys.stderr)
         return 1
     print(storage.redact(f"[clsys] exported {used} ({chosen})"), flush=True)

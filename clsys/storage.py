@@ -420,11 +420,16 @@ def upload_dir(local_dir: str, url: str) -> None:
             upload_file(str(p), join(url, str(p.relative_to(local_dir))))
 
 
-def download_dir(url: str, local_dir: str) -> None:
+def list_relative(url: str) -> Iterator[tuple[str, str]]:
+    """(object URL, its name relative to the folder ``url``) of every object under ``url``, sorted."""
     base = parse(url).path.rstrip("/")
-    root = os.path.realpath(local_dir)
     for obj in list_prefix(url):
-        rel = parse(obj).path[len(base):].lstrip("/")
+        yield obj, parse(obj).path[len(base):].lstrip("/")
+
+
+def download_dir(url: str, local_dir: str) -> None:
+    root = os.path.realpath(local_dir)
+    for obj, rel in list_relative(url):
         target = os.path.realpath(os.path.join(root, rel))
         # An object's name may hold "../" (or start with "/"): it must not write outside the folder.
         if os.path.commonpath([root, target]) != root or target == root:

@@ -242,15 +242,25 @@ class RankCheckpoints:
                                       "model.tokenizer=all-MiniLM-L6-v2", f"cluster.num_workers={world}",
                                       "train.batch_size=8", f"train.zero_stage={stage}", "train.precision=fp32"])
         self.rank, self.world = rank, world
-        self.engine = build_engine(OBJECTIVES["simcse"](self.cfg, load_tokenizer(self.cfg.model.tokenizer)), self.cfg)
+        self.objective = OBJECTIVES["simcse"](self.cfg, load_tokenizer(self.cfg.model.tokenizer))
+        self.engine = build_engine(self.objective, self.cfg)
 
     def save(self, run: str, step: int) -> str:
-        """Checkpoint ``step``, complete when this returns (the background writer, waited for)."""
+        """Checkpoint ``step``, complete when this returns (the background writer, waited for); what the
+        training loop writes, so that ``clsys.export`` takes it."""
         from clsys.engine.checkpoint_writer import CheckpointWriter
 
+        def hf_files(folder: str) -> None:
+            self.objective.tokenizer.save_pretrained(folder)
+            self.objective.encoder().config.save_pretrained(folder)
+
         writer = CheckpointWriter(self.engine, run, keep=10)
-        meta = {"world_size": self.world, "config": self.cfg.to_dict(), "precision": self.cfg.train.precision}
-        url = writer.save(step, {"loader": {"rank": self.rank}}, meta, lambda folder: None)
+        encoder_prefix = next(name for name, module in self.objective.named_modules()
+                              if module is self.objective.encoder())
+        meta = {"world_size": self.world, "config": self.cfg.to_dict(), "precision": self.cfg.train.precision,
+                "objective": "simcse", "export_pooling": self.objective.export_pooling(),
+                "encoder_prefix": encoder_prefix, "export_head_map": {}, "export_reranker_map": {}}
+        url = writer.save(step, {"loader": {"rank": self.rank}}, meta, hf_files)
         writer.wait()
         return url
 

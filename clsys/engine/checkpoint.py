@@ -7,21 +7,23 @@ Layout, one folder per step:
         hf/                    model config + tokenizer, so that export needs nothing else
         clsys_state.json       step, world size, config, export pooling
         ranks/rank-00000 ...   each rank's "uploaded" marker: the checksums of its files
-        SHA256SUMS             sha256 of every file above (clsys.integrity), merged from the markers
-        COMPLETE               written last, by rank 0, after every rank has uploaded
+        SHA256SUMS             sha256 of every file above but the markers (clsys.integrity), merged from them
+        COMPLETE               written last, by rank 0, after every rank has uploaded: SHA256SUMS's sha256
 Written by ``clsys.engine.checkpoint_writer`` (in the background while training goes on, by default).
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
-previous checkpoint as the one resumed from. Every rank checks the files it downloads against
-SHA256SUMS; when a rank finds one changed or missing and an older checkpoint passes the same check,
-the damaged one is set aside (its COMPLETE marker replaced by a CORRUPT file naming the bad files)
-and training resumes from the older one. Older complete checkpoints beyond
-``train.keep_checkpoints`` are deleted only after the new one is complete.
+previous checkpoint as the one resumed from. Every rank checks that SHA256SUMS is the list COMPLETE
+seals, that it lists every file of the folder (but the markers and ``universal/``) and the files the
+format requires (``required_files``), and the files it downloads against it; when a rank finds a
+problem and an older checkpoint passes the same checks, the damaged one is set aside (its COMPLETE
+marker replaced by a CORRUPT file naming the bad files) and training resumes from the older one. A
+checkpoint of before the seal (an empty COMPLETE) gets every check but the seal's. Older complete
+checkpoints beyond ``train.keep_checkpoints`` are deleted only after the new one is complete.
 
 Elastic resume (a different number of ranks than wrote the checkpoint): a ZeRO stage-0 checkpoint holds
 the whole state in one file and loads as it is; for the others rank 0 converts ``ds/`` to a
 DeepSpeed *universal* checkpoint (parameters and Adam moments as whole fp32 tensors, one file per
 parameter, any ZeRO stage) once, stores it as ``universal/`` next to ``ds/`` (its own COMPLETE
-marker last, its own SHA256SUMS before it), and every rank loads its new partition from it. Dropout
+marker, which seals its own SHA256SUMS, last), and every rank loads its new partition from it. Dropout
 RNG streams cannot carry over to a different rank count, so ranks start fresh ones; the data
 position is remapped by the loader (``clsys.data.streaming``).
 """
@@ -36,15 +38,18 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from clsys import integrity, storage
 from clsys.engine.deepspeed import plain_data_parallel
-from clsys.integrity import SUMS
+from clsys.integrity import SEAL, SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
+RANK_MARKERS = "ranks"  # <checkpoint>/ranks/rank-NNNNN: that rank's files uploaded, with their checksums
+UNIVERSAL = "universal"
 
 
 def _deepspeed_record_classes() -> list:
@@ -85,7 +90,7 @@ def complete_checkpoints(run_url: str) -> list[tuple[int, str]]:
     for obj in storage.list_prefix(storage.join(run_url, "checkpoints")):
         folder, _, name = obj.rpartition("/")
         match = STEP_DIR.search(folder)
-        if name == "COMPLETE" and match:
+        if name == SEAL and match:
             found.append((int(match.group(1)), folder))
     return sorted(found)
 
@@ -118,7 +123,7 @@ def prune(run_url: str, keep: int, protect: str | None = None) -> None:
 
 def delete_checkpoint(url: str) -> None:
     # The marker goes first: a half-deleted folder must never look complete.
-    storage.delete(storage.join(url, "COMPLETE"))
+    storage.delete(storage.join(url, SEAL))
     if not storage.is_local(url):  # an object store: its objects one by one
         for obj in storage.list_prefix(url):
             storage.delete(obj)
@@ -129,17 +134,42 @@ def delete_checkpoint(url: str) -> None:
 def set_aside(url: str, problems: list[str]) -> None:
     """Make a damaged checkpoint invisible to resume and pruning, keeping its files for a post-mortem."""
     storage.write_bytes(storage.join(url, "CORRUPT"), "".join(f"{p}\n" for p in problems).encode())
-    storage.delete(storage.join(url, "COMPLETE"))
+    storage.delete(storage.join(url, SEAL))
 
 
 def recorded_sums(url: str, required: bool) -> dict[str, str] | None:
-    """The checksums recorded in folder ``url``'s SHA256SUMS; None for a folder written without one
-    (by an older clsys), which is read unverified. ``required``: the folder's writer recorded them,
-    so a missing file is damage."""
+    """The checksums recorded in folder ``url``'s SHA256SUMS, checked against its COMPLETE seal; None for
+    a folder written without one (by an older clsys), which is read unverified. ``required``: the
+    folder's writer recorded them, so a missing file is damage."""
     sums_url = storage.join(url, SUMS)
     if not required and not storage.exists(sums_url):
         return None
-    return integrity.parse_sums(storage.read_bytes(sums_url), sums_url)
+    return integrity.sealed_sums(storage.read_bytes(sums_url), storage.read_bytes(storage.join(url, SEAL)), url)
+
+
+def listed_apart(rel: str) -> bool:
+    """The files of a checkpoint folder that its SHA256SUMS does not list: the ranks' markers (the lists
+    it was merged from) and the universal form (sealed on its own)."""
+    return rel.startswith((f"{RANK_MARKERS}/", f"{UNIVERSAL}/"))
+
+
+def required_files(state: dict) -> dict[str, str]:
+    """The files a checkpoint with ``state`` (its clsys_state.json) must list, as
+    ``integrity.listing_problems`` takes them: the state, every rank's state file and DeepSpeed's model
+    states, plus, unless it keeps the whole state in one file (``_whole_state``), every rank's optimizer
+    partition (``bf16_`` in front in DeepSpeed's bf16 optimizer)."""
+    ranks = range(int(state["world_size"]))
+    required = {"clsys_state.json": r"clsys_state\.json", "ds/*model_states.pt": r"ds/(.+_)?mp_rank_\d+_model_states\.pt"}
+    required.update({f"rank-{rank:05d}.pt": rf"rank-{rank:05d}\.pt" for rank in ranks})
+    if not _whole_state(state):
+        required.update({f"ds/*zero_pp_rank_{rank}_*optim_states.pt":
+                         rf"ds/(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_optim_states\.pt" for rank in ranks})
+    return required
+
+
+def _uncovered(url: str, sums: dict[str, str], apart: Callable[[str], bool], required: dict[str, str]) -> list[str]:
+    """``integrity.listing_problems`` of the folder ``url`` on storage."""
+    return integrity.listing_problems((rel for _, rel in storage.list_relative(url)), sums, apart, required)
 
 
 def _agreed(problems: list[str]) -> list[str]:
@@ -152,8 +182,8 @@ def _agreed(problems: list[str]) -> list[str]:
 def _ensure_universal(url: str, sums: dict[str, str] | None) -> list[str]:
     """Collective: convert ``url``'s DeepSpeed checkpoint to ``universal/`` once (rank 0), from a
     ``ds/`` checked against ``sums``; returns the problems found on the way (every rank the same)."""
-    universal, problems = storage.join(url, "universal"), []
-    if dist.get_rank() == 0 and not storage.exists(storage.join(universal, "COMPLETE")):
+    universal, problems = storage.join(url, UNIVERSAL), []
+    if dist.get_rank() == 0 and not storage.exists(storage.join(universal, SEAL)):
         work = tempfile.mkdtemp(prefix="clsys-universal-")
         try:
             storage.download_dir(storage.join(url, "ds"), os.path.join(work, "in", "ds"))
@@ -161,8 +191,8 @@ def _ensure_universal(url: str, sums: dict[str, str] | None) -> list[str]:
                 problems = integrity.differences(os.path.join(work, "in"), sums, lambda rel: rel.startswith("ds/"))
             if not problems:
                 _convert_to_universal(url, os.path.join(work, "in", "ds"), os.path.join(work, "out"))
-                storage.upload_dir(os.path.join(work, "out"), universal)
-                storage.write_bytes(storage.join(universal, "COMPLETE"), b"")
+                delete_checkpoint(universal)  # what a conversion cut short left: none of it may mix with the new
+                integrity.upload_sealed(os.path.join(work, "out"), universal)
         except storage.StorageError as err:
             problems = [str(err)]
         finally:
@@ -216,7 +246,8 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
         # A SHA256SUMS file damaged or deleted after the fact reads as "recorded, but wrong or missing".
         sums = recorded_sums(url, required="sums" in state)
         if sums is not None:
-            problems = integrity.differences(local, sums, lambda rel: rel == "clsys_state.json")
+            problems = (_uncovered(url, sums, listed_apart, required_files(state))
+                        + integrity.differences(local, sums, lambda rel: rel == "clsys_state.json"))
     except (storage.StorageError, integrity.IntegrityError) as err:
         problems = [str(err)]
     problems = _agreed(problems)
@@ -235,11 +266,12 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
             if sums is not None:
                 problems = integrity.differences(local, sums, lambda rel: rel.startswith("ds/"))
         else:
-            universal = storage.join(url, "universal")
-            storage.download_dir(universal, local)
-            universal_sums = recorded_sums(universal, required=sums is not None)
+            universal_url = storage.join(url, UNIVERSAL)
+            storage.download_dir(universal_url, local)
+            universal_sums = recorded_sums(universal_url, required=sums is not None)
             if universal_sums is not None:
-                problems = [f"universal/{p}" for p in integrity.differences(local, universal_sums)]
+                problems = [f"{UNIVERSAL}/{p}" for p in _uncovered(universal_url, universal_sums, lambda rel: False, {})
+                            + integrity.differences(local, universal_sums)]
         storage.download_file(storage.join(url, rank_file), os.path.join(local, rank_file))
         if sums is not None:
             problems += integrity.differences(local, sums, lambda rel: rel == rank_file)

@@ -16,7 +16,8 @@ they go to the temporary folder and are uploaded from there.
 
 The thread runs no collective (the training loop's collectives own the process group): each rank
 announces its finished upload with a marker object ``ranks/rank-NNNNN`` holding its files' checksums;
-rank 0's thread, once every rank's marker is there, writes SHA256SUMS and then COMPLETE (still last),
+rank 0's thread, once every rank's marker is there, writes SHA256SUMS and then COMPLETE (still last,
+holding SHA256SUMS's own sha256: ``clsys.integrity``),
 prunes old checkpoints and runs the completion callback (best.json, the console line). At most one
 checkpoint is in flight: the next save, and the end of training (``wait``), first wait for the previous
 one, and an error of a writing thread is raised there, in the training loop. A process that dies before
@@ -43,10 +44,9 @@ import torch
 import torch.distributed as dist
 
 from clsys import integrity, storage
-from clsys.engine.checkpoint import delete_checkpoint, prune, step_url
-from clsys.integrity import SUMS
+from clsys.engine.checkpoint import RANK_MARKERS, delete_checkpoint, prune, step_url
+from clsys.integrity import SEAL, SUMS
 
-RANK_MARKERS = "ranks"  # <checkpoint>/ranks/rank-NNNNN: that rank's files uploaded, with their checksums
 MARKER_POLL_S = 0.2
 
 
@@ -227,9 +227,9 @@ class CheckpointWriter:
         storage.write_bytes(marker, integrity.format_sums(sums))
         if self.rank != 0:
             return
-        merged = merged_rank_sums(job.url, self.world, self.wait_s)
-        storage.write_bytes(storage.join(job.url, SUMS), integrity.format_sums(merged))
-        storage.write_bytes(storage.join(job.url, "COMPLETE"), b"")
+        merged = integrity.format_sums(merged_rank_sums(job.url, self.world, self.wait_s))
+        storage.write_bytes(storage.join(job.url, SUMS), merged)
+        storage.write_bytes(storage.join(job.url, SEAL), integrity.seal(merged))  # SHA256SUMS's own sha256
         prune(self.run_url, self.keep, job.protect)
         if job.on_complete is not None:
             job.on_complete(job.url)
