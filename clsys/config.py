@@ -35,6 +35,7 @@ class DataConfig:
     loader_workers: int = 1  # DataLoader worker processes per training rank
     verify_checksums: bool = True  # compare each shard's sha256 with the manifest before using any of its samples
     on_bad_sample: str = "error"  # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
+    max_shard_mb: int = 1024  # the most MiB a shard's tar may take in a loader worker (a .tar.gz's decompressed)
     length_group_batches: int = 0  # K > 0: sort each window of K micro-batches by text length (less padding)
 
 

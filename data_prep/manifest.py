@@ -3,8 +3,8 @@
 Tools such as webdataset's ``TarWriter``, img2dataset or a Hugging Face export write tar shards of
 samples (``key.txt``, ``key.jpg``, ``key.json``, …) but no clsys ``manifest.json``, which training needs
 for its epoch plan (samples per shard) and its integrity checks (size, sha256). This command reads
-every ``.tar``/``.tar.gz``/``.tgz`` directly under a folder, checks it the way training will (tar
-structure, each sample's text member present and UTF-8) and writes the manifest:
+every ``.tar``/``.tar.gz``/``.tgz`` directly under a folder, checks it the way training will (its name,
+its tar structure within the size limit, each sample's text member present and UTF-8) and writes the manifest:
 
 - beside the shards (the default): shard names are file names, the folder is the stream;
 - elsewhere (``--out``, e.g. when the shards' bucket is read-only): shard names are absolute URLs.
@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from clsys import storage
+from clsys.data.shard_reader import MAX_SHARD_BYTES, BadData, sample_members, untar_bytes
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.shards import FORMAT, MANIFEST
+from data_prep.shards import FORMAT, MANIFEST, shard_name_problem, text_member_problem
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave bad shards out of the manifest (counted) instead of stopping")
     p.add_argument("--jobs", type=cli.positive(int), default=8, metavar="N",
                    help="shards read at once (default: 8)")
+    p.add_argument("--max-shard-mb", type=cli.positive(int), default=MAX_SHARD_BYTES >> 20, metavar="N",
+                   help="the most MiB a shard's tar may take, decompressed: a larger shard is bad "
+                        "(default: %(default)s, as training's data.max_shard_mb)")
 
 
 @dataclass
@@ -58,14 +62,15 @@ class ShardScan:
     error: str | None = None  # why the shard cannot be trained on
 
 
-def scan_shard(url: str, name: str, text_member: str) -> ShardScan:
-    """Read a shard whole and check it as training will: tar structure, each sample's text present and UTF-8."""
-    from clsys.data.shard_reader import BadData, sample_members, untar_bytes
-
+def scan_shard(url: str, name: str, text_member: str, max_bytes: int) -> ShardScan:
+    """Check a shard as training will: the name the manifest lists it by, then (read whole) its tar
+    structure within ``max_bytes``, each sample's text present and UTF-8."""
+    if problem := shard_name_problem(name):
+        return ShardScan(url, name, 0, error=f"name {name!r}: {problem}")
     data = storage.read_bytes(url)
     scan = ShardScan(url, name, len(data), hashlib.sha256(data).hexdigest())
     try:
-        tar = untar_bytes(url, data)
+        tar = untar_bytes(url, data, max_bytes)
         samples = sample_members(tar, text_member, scan.members)
     except BadData as fault:
         scan.error = str(fault)
@@ -91,9 +96,9 @@ def main(args: argparse.Namespace) -> int:
     start = time.time()
     source = str(storage.parse(args.url))
     out = str(storage.parse(args.out)) if args.out else source
-    if args.text_member in ("json", "ids", "") or "." in args.text_member:
-        return cli.fail("manifest", f"--text-member {args.text_member!r}: name the extension of a text member "
-                                    "(txt, text, caption, ...)")
+    if problem := text_member_problem(args.text_member):
+        return cli.fail("manifest", f"--text-member {args.text_member!r}: {problem}")
+    max_bytes = args.max_shard_mb << 20
     try:
         storage.check_bucket(out)
         existing = storage.join(out, MANIFEST)
@@ -107,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         if not jobs:
             return cli.fail("manifest", f"{source}: no {', '.join(SHARD_SUFFIXES)} shards directly in this folder")
         with ThreadPoolExecutor(args.jobs) as pool:
-            scans = list(pool.map(lambda job: scan_shard(*job, args.text_member), jobs))
+            scans = list(pool.map(lambda job: scan_shard(*job, args.text_member, max_bytes), jobs))
     except StorageError as err:
         return cli.fail("manifest", str(err))
 

@@ -12,7 +12,7 @@ import itertools
 from typing import Iterator
 
 from clsys import storage
-from clsys.data.shard_reader import load_shards, read_shard
+from clsys.data.shard_reader import MAX_SHARD_BYTES, load_shards, read_shard
 
 TOKENIZE_CHUNK = 1024  # sentences tokenised at once while counting tokens
 
@@ -28,10 +28,12 @@ def resolve_corpus_stream(url: str) -> str:
     raise FileNotFoundError(f"corpus.url: no manifest.json in {url} or in {storage.join(url, 'sentences')}")
 
 
-def corpus_texts(stream: str, verify: bool = True, skipped: collections.Counter | None = None) -> Iterator[str]:
+def corpus_texts(stream: str, verify: bool = True, skipped: collections.Counter | None = None,
+                 max_bytes: int = MAX_SHARD_BYTES) -> Iterator[str]:
     """Every sentence of the stream in corpus order (shards in manifest order). Bad data raises, or is
-    counted in ``skipped`` and left out when given (``data.on_bad_sample: skip``)."""
-    for shard in load_shards(stream):
+    counted in ``skipped`` and left out when given (``data.on_bad_sample: skip``); ``max_bytes``: the
+    most a shard's tar may take (``data.max_shard_mb``)."""
+    for shard in load_shards(stream, "sentences", max_bytes):
         for sample in read_shard(shard, verify, skipped):
             yield sample["txt"]
 

@@ -13,8 +13,15 @@ JSON and int32: nothing is ever unpickled.
   skipped unread, and ``json`` is empty. ``.tar.gz``/``.tgz`` shards are decompressed in memory, after
   their size and sha256 are checked.
 
+A shard's tar may take at most ``max_bytes`` in memory (``data.max_shard_mb``, 1 GiB by default: 16 times
+data_prep's 64 MiB shards): a compressed one is decompressed as a stream that stops just past it (a few
+hundred KiB of gzip can hold a GiB of zeros). Members must be plain regular files: tarfile counts GNU
+sparse members as regular, at sizes that reach into the members after them. A sample's ``json`` must
+hold what its stream kind's objective reads (``clsys.data.sample_fields``).
+
 Reasons a shard or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``,
-``truncated``, ``corrupt``, ``unsafe`` (a whole shard), ``undecodable``, ``missing_fields`` (one sample).
+``truncated``, ``corrupt``, ``unsafe``, ``too_large`` (a whole shard), ``undecodable``, ``missing_fields``
+(one sample: a member, or a json field its stream kind needs, is missing or of the wrong type).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clsys import storage
+from clsys.data.sample_fields import fields_problem
 
 
 def encode_ids(ids: list[int]) -> bytes:
@@ -45,6 +53,13 @@ def decode_ids(data: bytes) -> list[int]:
 SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
 FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has (ids is optional)
 COMPRESSED = (".tar.gz", ".tgz")  # shard names read as gzip-compressed tars
+MAX_SHARD_BYTES = 1 << 30  # data.max_shard_mb's default
+_GUNZIP_CHUNK = 1 << 20  # bytes decompressed at a time
+# What tar members may be: regular files alone (tarfile's isfile() also takes CONTTYPE and GNU sparse ones).
+_PLAIN_FILE = (tarfile.REGTYPE, tarfile.AREGTYPE)
+_MEMBER_TYPES = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.DIRTYPE: "a folder",
+                 tarfile.CHRTYPE: "a device", tarfile.BLKTYPE: "a device", tarfile.FIFOTYPE: "a FIFO",
+                 tarfile.CONTTYPE: "a contiguous file"}
 
 
 class ShardError(RuntimeError):
@@ -68,15 +83,19 @@ class Shard:
     sha256: str
     size: int = 0  # bytes, as the manifest lists them (0: not listed)
     text_member: str | None = None  # a foreign stream's text member (read as ``txt``); None: a data_prep stream
+    kind: str = ""  # the stream kind whose json fields each sample must have (sample_fields); "": an object
+    max_bytes: int = MAX_SHARD_BYTES  # the most bytes its tar may take in memory, decompressed
 
 
-def load_shards(stream_url: str) -> list[Shard]:
+def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTES) -> list[Shard]:
+    """The shards a stream's manifest lists (``read_manifest`` checked every field), to be read as a ``kind``
+    stream with tars of at most ``max_bytes``."""
     from data_prep.shards import read_manifest, shard_url
 
     manifest = read_manifest(stream_url)
     text_member = manifest["foreign"]["text_member"] if "foreign" in manifest else None
-    return [Shard(shard_url(stream_url, s["name"]), int(s["samples"]), s["sha256"], int(s.get("bytes", 0)),
-                  text_member) for s in manifest["shards"]]
+    return [Shard(shard_url(stream_url, s["name"]), s["samples"], s["sha256"], s.get("bytes", 0), text_member,
+                  kind, max_bytes) for s in manifest["shards"]]
 
 
 def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
@@ -85,8 +104,9 @@ def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for info in tar:
-                if not info.isfile():
-                    raise BadData("corrupt", f"member {info.name} is not a regular file")
+                if info.type not in _PLAIN_FILE or info.issparse():
+                    what = "a sparse file" if info.issparse() else _MEMBER_TYPES.get(info.type, "of another type")
+                    raise BadData("corrupt", f"member {info.name} is {what}, not a regular file")
                 if info.offset_data + info.size > len(data):
                     raise BadData("truncated", f"member {info.name}: the shard ends inside it")
                 members.append((info.name, info.offset_data, info.size))
@@ -110,23 +130,39 @@ def _check_shard(shard: Shard, data: bytes, verify: bool) -> tuple[bytes, list[t
         raise BadData(reason, f"{len(data)} bytes, the manifest says {shard.size}")
     if verify and (got := hashlib.sha256(data).hexdigest()) != shard.sha256:
         raise BadData("checksum", f"sha256 {got} does not match the manifest ({shard.sha256})")
-    tar = untar_bytes(shard.url, data)
+    tar = untar_bytes(shard.url, data, shard.max_bytes)
     samples = sample_members(tar, shard.text_member)
     if len(samples) != shard.samples:
         raise BadData("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
     return tar, samples
 
 
-def untar_bytes(url: str, data: bytes) -> bytes:
-    """The tar inside a shard as stored: gunzipped for a ``.tar.gz``/``.tgz`` name."""
+def untar_bytes(url: str, data: bytes, max_bytes: int = MAX_SHARD_BYTES) -> bytes:
+    """The tar inside a shard as stored, of at most ``max_bytes``: gunzipped for a ``.tar.gz``/``.tgz`` name,
+    a chunk at a time, stopping at the first byte past the limit."""
     if not url.endswith(COMPRESSED):
+        if len(data) > max_bytes:
+            raise BadData("too_large", f"{len(data)} bytes, more than {_limit(max_bytes)}")
         return data
+    chunks: list[bytes] = []
+    size = 0
     try:
-        return gzip.decompress(data)
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as stream:
+            while chunk := stream.read(min(_GUNZIP_CHUNK, max_bytes + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
     except EOFError as err:
         raise BadData("truncated", f"the gzip stream ends early ({err})") from None
     except OSError as err:  # gzip.BadGzipFile, zlib.error
         raise BadData("corrupt", f"unreadable gzip ({err})") from None
+    if size > max_bytes:
+        raise BadData("too_large", f"the tar inside is larger than {_limit(max_bytes)}")
+    return b"".join(chunks)
+
+
+def _limit(max_bytes: int) -> str:
+    size = f"{max_bytes >> 20} MiB" if max_bytes % (1 << 20) == 0 else f"{max_bytes} bytes"
+    return f"{size} (data.max_shard_mb)"
 
 
 def sample_members(tar: bytes, text_member: str | None = None, extensions: collections.Counter | None = None
@@ -162,7 +198,8 @@ def sample_members(tar: bytes, text_member: str | None = None, extensions: colle
     return samples
 
 
-def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, text_member: str | None) -> dict[str, Any]:
+def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: Shard) -> dict[str, Any]:
+    text_member = shard.text_member
     required = (text_member,) if text_member else FIELDS
     missing = [f".{f}" for f in required if f not in members]
     if missing:
@@ -175,6 +212,9 @@ def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, text_mem
             decoded[field] = SAFE_EXTENSIONS[field](data[offset:offset + size])
         except ValueError as err:  # UnicodeDecodeError, JSONDecodeError and decode_ids's all are
             raise BadData("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
+    if problem := fields_problem(shard.kind, decoded["json"]):
+        foreign = " (a foreign stream's samples have no metadata: their json is {})" if text_member else ""
+        raise BadData("missing_fields", f"sample {key}: {problem}{foreign}")
     return decoded
 
 
@@ -191,6 +231,9 @@ def read_shard(shard: Shard, verify: bool = True,
             raise ShardError(f"{shard.url}: {fault}")
         skipped[fault.reason] += 1
 
+    if shard.size > shard.max_bytes:  # never read
+        bad(BadData("too_large", f"{shard.size} bytes, more than {_limit(shard.max_bytes)}"))
+        return
     data = storage.read_bytes(shard.url)
     try:
         tar, samples = _check_shard(shard, data, verify)
@@ -199,7 +242,7 @@ def read_shard(shard: Shard, verify: bool = True,
         return
     for key, members in samples:
         try:
-            sample = _decode(key, members, tar, shard.text_member)
+            sample = _decode(key, members, tar, shard)
         except BadData as fault:
             bad(fault)
             continue

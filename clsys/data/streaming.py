@@ -15,8 +15,8 @@ data does:
   - ``error`` (default): a ShardError naming the shard URL, the member or sample and the reason
     stops the run;
   - ``skip``: a bad shard is left out whole (reasons ``checksum``, ``truncated``, ``corrupt``,
-    ``unsafe``; counted per shard), a bad sample alone (``undecodable``, ``missing_fields``; counted
-    per sample). A worker that lost data yields fewer batches and a rank ends its epoch when its
+    ``unsafe``, ``too_large``; counted per shard), a bad sample alone (``undecodable``, ``missing_fields``;
+    counted per sample). A worker that lost data yields fewer batches and a rank ends its epoch when its
     workers run dry, so no rank ever waits for a batch; ranks can then drift apart by a few batches
     at epoch boundaries (with ``error`` the counts are exact). A rank that gets no batch in a whole
     epoch is an error.
@@ -78,7 +78,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from clsys.data.shard_reader import Shard, ShardError, load_shards, read_shard
+from clsys.data.shard_reader import MAX_SHARD_BYTES, Shard, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
 _WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
@@ -359,12 +359,17 @@ class ShardLoader:
     def __init__(self, stream_url: str, rank: int, ranks: int, micro_batch: int, collate: Callable,
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
                  on_bad_sample: str = "error", length_group: int = 0,
-                 lengths: Callable[[list[dict]], list[int]] = text_lengths, pin_memory: bool = False):
+                 lengths: Callable[[list[dict]], list[int]] = text_lengths, kind: str = "",
+                 max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False):
+        """``kind``: the stream kind whose json fields every sample must have (``clsys.data.sample_fields``);
+        ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``)."""
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
             raise ValueError(f"data.length_group_batches: expected 0 (off) or a number of batches, got {length_group}")
-        self.shards = load_shards(stream_url)
+        if max_shard_bytes <= 0:
+            raise ValueError(f"data.max_shard_mb: expected a positive size, got {max_shard_bytes} bytes")
+        self.shards = load_shards(stream_url, kind, max_shard_bytes)
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
         self.on_bad_sample, self.length_group, self.lengths = on_bad_sample, length_group, lengths

@@ -178,7 +178,8 @@ class Worker:
             # Tokenised in the loader's worker processes by the objective's collate.
             corpus = iter(ShardLoader(self.corpus, self.rank, self.world, micro * cfg.objective.domain_negatives,
                                       objective.data_side().collate, cfg.train.seed, d.loader_workers,
-                                      d.shuffle_buffer, d.verify_checksums, d.on_bad_sample))
+                                      d.shuffle_buffer, d.verify_checksums, d.on_bad_sample,
+                                      kind="sentences", max_shard_bytes=d.max_shard_mb << 20))
         epochs = cfg.train.steps // math.ceil(len(self.task.train) / cfg.train.batch_size)
         history, best, best_state = [], None, None
         started, first_step = time.perf_counter(), self.step
@@ -287,7 +288,8 @@ class Worker:
                              texts, offset)
 
     def _corpus_texts(self):
-        return corpus_texts(self.corpus, self.cfg.data.verify_checksums)
+        data = self.cfg.data
+        return corpus_texts(self.corpus, data.verify_checksums, max_bytes=data.max_shard_mb << 20)
 
     # ---- the outcome --------------------------------------------------------------------------
 

@@ -73,13 +73,14 @@ class Objective(nn.Module):
     def shard_loader(self, cfg: Config, stream: str, rank: int, world: int):
         """A ``ShardLoader`` over one stream under ``data.url``, configured by the ``data`` section."""
         from clsys import storage
+        from clsys.data.sample_fields import stream_kind
         from clsys.data.streaming import ShardLoader
 
         data = self.data_side()
         return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, data.collate,
                            cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
                            cfg.data.on_bad_sample, cfg.data.length_group_batches, data.sample_lengths,
-                           pin_memory=cfg.cluster.use_gpu)
+                           stream_kind(stream), cfg.data.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu)
 
     def data_side(self) -> Objective:
         """A copy of the objective's data side only (configuration, tokenizer, masker, …): what the loader's
