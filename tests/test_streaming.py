@@ -494,3 +494,49 @@ def test_the_next_epoch_is_read_ahead_before_the_boundary(tmp_path):
     assert loader.state_dict()["epoch"] == 1
     plain = take(ShardLoader(url, collate=collate, **args), per_epoch + 3)
     assert [b["keys"] for b in first + rest] == plain
+
+
+class SlowToUnpickle:
+    """A collate that takes ``seconds`` to unpickle in a loader worker, followed by 1 MiB of state: the
+    parent's write of the worker's dataset blocks until the worker has read it all (a real collate's
+    tokenizer is rebuilt from its JSON the same way)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.padding = seconds, b"\0" * 2**20
+
+    def __getstate__(self):
+        return {"seconds": self.seconds, "then": _Sleep(self.seconds), "padding": self.padding}
+
+    def __setstate__(self, state):
+        self.seconds, self.padding = state["seconds"], state["padding"]
+
+    def __call__(self, samples):
+        return {"n": len(samples)}
+
+
+class _Sleep:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return time.sleep, (self.seconds,)
+
+
+def test_starting_the_next_epochs_workers_does_not_hold_up_the_steps(tmp_path):
+    """The next epoch's workers are started at half-epoch while training goes on: no step waits for them to
+    unpickle their collate (with the training thread starting them, one step waited 2 × 1.5 s here)."""
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    loader = ShardLoader(url, 0, 1, 4, SlowToUnpickle(1.5), seed=3, loader_workers=2, shuffle_buffer=8)
+    per_epoch = plan_epoch(loader.shards, 0, 3, 1, 2, 4).batches_per_rank
+    batches = iter(loader)
+    for _ in range(per_epoch // 2 - 1):
+        next(batches)
+        time.sleep(0.02)  # a step: the workers keep their prefetch full
+    waits = []
+    for _ in range(6):  # across the half-epoch mark
+        start = time.perf_counter()
+        next(batches)
+        waits.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    assert max(waits) < 1.0, f"a step waited {max(waits):.1f} s for the next epoch's workers to start"
