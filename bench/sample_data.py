@@ -23,7 +23,7 @@ def sample_shards(out: Path = SAMPLE_SHARDS) -> Path:
 def sentences(n: int) -> list[str]:
     """The first ``n`` sentences of the sample's shards (repeated when it has fewer)."""
     from clsys import storage
-    from clsys.data.shard_reader import load_shards, read_shard
+    from clsys.shards.reader import load_shards, read_shard
 
     found = []
     for shard in load_shards(storage.join(str(sample_shards()), "sentences")):

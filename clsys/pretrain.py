@@ -65,11 +65,11 @@ def resolve_resume(cfg: Config, run: str) -> str | None:
 def check_data(cfg: Config) -> str:
     """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
     from clsys.data.pretokenized import check_stream_tokenizer
-    from clsys.data.shard_reader import load_shards
+    from clsys.shards.reader import load_shards
     from clsys.data.streaming import plan_epoch
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
-    from data_prep.shards import read_manifest
+    from clsys.shards.manifest import read_manifest
 
     objective = OBJECTIVES[cfg.objective.name]
     streams = [storage.join(cfg.data.url, name) for name in objective.streams(cfg)]
@@ -193,7 +193,7 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
     import statistics
 
     from clsys.data.corpus import resolve_corpus_stream
-    from clsys.data.shard_reader import load_shards
+    from clsys.shards.reader import load_shards
     from clsys.data.streaming import plan_epoch
     from clsys.engine.css_pipeline import RESULT, css_lm_worker, load_task
 

@@ -46,7 +46,8 @@ from clsys.storage import StorageError
 from data_prep import __version__, cli
 from data_prep.langlinks import Langlink, LanglinksError, LanglinksFile
 from data_prep.sectionalign import DEFAULT_THRESHOLD, Article, Match, Section, SectionAligner
-from data_prep.shards import ShardWriter, previous_shas
+from clsys.shards.manifest import previous_shas
+from clsys.shards.writer import ShardWriter
 from data_prep.dumps import DumpError, DumpReader, TruncatedDump
 from data_prep.wiki_tasks import PageTask, ordered_map, process_page
 

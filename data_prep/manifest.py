@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from clsys import storage
-from clsys.data.shard_reader import MAX_SHARD_BYTES, BadData, sample_members, untar_bytes
+from clsys.shards.reader import MAX_SHARD_BYTES, BadData, sample_members, untar_bytes
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.shards import FORMAT, MANIFEST, shard_name_problem, text_member_problem
+from clsys.shards.manifest import FORMAT, MANIFEST, shard_name_problem, text_member_problem
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 

@@ -2,7 +2,7 @@
 
 Every sample of the input stream (``txt`` + ``json``) is written again, same key and members, plus an
 ``ids`` member: its ``txt`` tokenized without special tokens and cut at ``--max-tokens``, as raw
-little-endian int32 (``clsys.data.shard_reader.encode_ids``). Each input shard becomes one output
+little-endian int32 (``clsys.shards.reader.encode_ids``). Each input shard becomes one output
 shard, so the shard layout, and with it every training epoch's plan, is the input's. The manifest
 records the tokenizer's name and fingerprint (``clsys.data.pretokenized.tokenizer_fingerprint``):
 training with another tokenizer refuses the stream. The output depends only on the input and the
@@ -18,7 +18,8 @@ import time
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.shards import MANIFEST, ShardWriter, previous_shas, read_manifest
+from clsys.shards.manifest import MANIFEST, previous_shas, read_manifest
+from clsys.shards.writer import ShardWriter
 
 BATCH = 1024  # texts per tokenizer call: fast tokenizers encode a batch on several threads
 _STREAM_FIELDS = ("format", "stream", "shards", "samples")  # what write_manifest writes anew
@@ -41,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``tokenize``; returns the exit code (0 ok, 2 unusable input or tokenizer, bad data or storage error)."""
     # Imported here, not at module level: torch and transformers would add seconds to every data_prep command.
     from clsys.data.pretokenized import tokenizer_fingerprint
-    from clsys.data.shard_reader import ShardError, encode_ids, load_shards, read_shard
+    from clsys.shards.reader import ShardError, encode_ids, load_shards, read_shard
     from clsys.model.encoder import load_tokenizer
 
     start = time.time()

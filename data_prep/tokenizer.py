@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import cli
-from data_prep.shards import MANIFEST, read_manifest
+from clsys.shards.manifest import MANIFEST, read_manifest
 
 if TYPE_CHECKING:  # imported where used: transformers is slow to import
     from transformers import PreTrainedTokenizerFast
@@ -92,7 +92,7 @@ def resolve_stream(url: str) -> str:
 
 
 def samples(streams: list[str]):
-    from clsys.data.shard_reader import load_shards, read_shard
+    from clsys.shards.reader import load_shards, read_shard
 
     for url in streams:
         for shard in load_shards(url):
@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2
 
-    from clsys.data.shard_reader import ShardError
+    from clsys.shards.reader import ShardError
 
     inputs = ", ".join(args.input)
     if not 0 <= args.alpha <= 1 or not 0 < args.character_coverage <= 1:

@@ -26,7 +26,8 @@ from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__
 from data_prep import cli
-from data_prep.shards import ShardWriter, previous_shas
+from clsys.shards.manifest import previous_shas
+from clsys.shards.writer import ShardWriter
 
 COLUMNS = {"premise": ("premise", "sentence1"), "hypothesis": ("hypothesis", "sentence2"),
            "label": ("label", "gold_label")}

@@ -49,7 +49,8 @@ from data_prep import __version__, cli
 from data_prep.dumps import (BadIndex, DumpError, DumpReader, TruncatedDump, check_index, index_blocks,
                              read_bz2_stream)
 from data_prep.ray_pool import RayPool
-from data_prep.shards import ShardWriter, previous_shas
+from clsys.shards.manifest import previous_shas
+from clsys.shards.writer import ShardWriter
 from data_prep.wiki_tasks import BlockTask, EncodedPage, ordered_map, process_batch, process_block, read_batches
 
 STREAMS = ("sentences", "documents")

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from data_prep.dumps import BadIndex, Block, BlockReader, DumpReader, TruncatedDump, skip_reason
 from data_prep.sentences import Passage, SplitStats, counted_sentences, pack_passages
-from data_prep.shards import encode_members, encode_meta
+from clsys.shards.writer import encode_members, encode_meta
 from data_prep.wikitext import WikitextCleaner
 
 

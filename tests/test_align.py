@@ -15,7 +15,7 @@ import pytest
 
 from clsys import storage
 from data_prep.langlinks import LanglinksError, LanglinksFile
-from data_prep.shards import read_manifest
+from clsys.shards.manifest import read_manifest
 from data_prep.dumps import DumpReader
 from data_prep.wiki_tasks import PageTask, process_page
 

@@ -13,7 +13,7 @@ from clsys.data.mixing import TaskMixer
 from clsys.data.streaming import ShardLoader
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.clir import CLIR, clir_example, document_side, hard_negative_probability, sample_negative
-from data_prep.shards import ShardWriter
+from clsys.shards.writer import ShardWriter
 
 
 def pair_ids(samples: list[dict]) -> dict:

@@ -15,7 +15,7 @@ import pytest
 
 from clsys import storage
 from data_prep.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
-from data_prep.shards import read_manifest
+from clsys.shards.manifest import read_manifest
 from data_prep.dumps import SiteInfo
 from data_prep.wikitext import WikitextCleaner
 
@@ -173,7 +173,7 @@ def test_webdataset_reads_shards(sample_run):
 def test_tar_writer_headers_read_back(tmp_path):
     """ShardWriter builds ustar headers itself (tarfile.addfile was most of its time): tarfile parses them
     (checksum included) to the fields written, for edge sizes and non-ASCII names, and reads a shard back."""
-    from data_prep.shards import ShardWriter, ustar_header
+    from clsys.shards.writer import ShardWriter, ustar_header
 
     for name, size in [("a.txt", 0), ("en-1-00000.json", 1), ("ü-é-名前.txt", 511), ("x" * 100, 512), ("k.txt", 8**11 - 1)]:
         info = tarfile.TarInfo.frombuf(ustar_header(name, size), "utf-8", "surrogateescape")
@@ -196,7 +196,7 @@ def test_tar_writer_headers_read_back(tmp_path):
 
 def test_shard_writer_shuffle_window(tmp_path):
     """Samples are written in a seeded order within each window of --shuffle-window-mb, never across windows."""
-    from data_prep.shards import ShardWriter
+    from clsys.shards.writer import ShardWriter
 
     def written(window_samples: int, seed: int) -> list[str]:
         out = tmp_path / f"w{window_samples}-s{seed}"
@@ -362,7 +362,7 @@ def test_encoded_samples_write_the_same_shards(tmp_path):
     """Samples encoded elsewhere (encode_sample, as data_prep wiki's workers do) and handed to write_encoded in
     runs (an article's, here 1 to 17 samples, some across a window's end) give the bytes, shuffle order and
     shard roll-over of ShardWriter.write with each sample's fields."""
-    from data_prep.shards import ShardWriter, encode_sample
+    from clsys.shards.writer import encode_sample, ShardWriter
 
     samples = [(f"en-{i}-{i % 7:05d}", "Satz é " * (i % 50), {"title": "Ü" * (i % 5), "page_id": i},
                 {"ids": bytes(range(i % 256))} if i % 3 == 0 else None) for i in range(300)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.shards import read_manifest
+from clsys.shards.manifest import read_manifest
 from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli, sample_run, sample_xml  # noqa: F401 (fixtures)
 
 

@@ -55,7 +55,7 @@ def test_data_prep_on_a_full_disk_fails_clearly_and_a_rerun_completes(small_disk
     resize("64m")
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    from clsys.data.shard_reader import load_shards, read_shard
+    from clsys.shards.reader import load_shards, read_shard
 
     for stream in ("sentences", "documents"):
         for shard in load_shards(f"file://{out / stream}"):

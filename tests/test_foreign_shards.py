@@ -17,11 +17,11 @@ import pytest
 import webdataset as wds
 
 from clsys import storage
-from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.data.streaming import ShardLoader, plan_epoch
 from clsys.storage import StorageError
 from data_prep.__main__ import main as data_prep
-from data_prep.shards import previous_shas, read_manifest
+from clsys.shards.manifest import previous_shas, read_manifest
 
 
 class _Opens:

@@ -6,7 +6,7 @@ worker's collate or a bare TypeError.
 - A ``.tar.gz`` is decompressed as a stream, up to the configured limit (``data.max_shard_mb``).
 - A sparse tar member (GNU type ``S``, or PAX ``GNU.sparse.*`` records) is not a regular file.
 - Every manifest field is checked; a bad one is named with its manifest and shard entry.
-- A sample's ``json`` must hold what its stream kind's objective reads (``clsys/data/sample_fields.py``).
+- A sample's ``json`` must hold what its stream kind's objective reads (``clsys/shards/fields.py``).
 """
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ from test_streaming_faults import tar_bytes
 
 from clsys import storage
 from clsys.config import load_config
-from clsys.data.shard_reader import Shard, ShardError, load_shards, read_shard
+from clsys.shards.reader import Shard, ShardError, load_shards, read_shard
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.clir import CLIR
 from clsys.storage import StorageError
 from data_prep.__main__ import main as data_prep
-from data_prep.shards import ShardWriter, read_manifest
+from clsys.shards.manifest import read_manifest
+from clsys.shards.writer import ShardWriter
 
 END = bytes(1024)  # a tar's end-of-archive marker
 

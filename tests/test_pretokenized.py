@@ -15,14 +15,15 @@ import torch
 
 from clsys.config import Config, ModelConfig, load_config
 from clsys.data.pretokenized import SentenceBatcher, tokenizer_fingerprint
-from clsys.data.shard_reader import Shard, ShardError, load_shards, read_shard
+from clsys.shards.reader import Shard, ShardError, load_shards, read_shard
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.self_guided import SelfGuided, SelfGuidedConfig
 from clsys.objectives.simcse import SimCSE, SimCSEConfig
 from clsys.pretrain import check_data, main as pretrain
 from data_prep.__main__ import main as data_prep
 from clsys.storage import StorageError
-from data_prep.shards import ShardWriter, read_manifest
+from clsys.shards.manifest import read_manifest
+from clsys.shards.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -378,7 +378,7 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
     agree to rounding. What is left between the two with dropout on is where the masks are drawn."""
     from transformers import AutoModel
 
-    from clsys.data.shard_reader import load_shards, read_shard
+    from clsys.shards.reader import load_shards, read_shard
     from clsys.engine.deepspeed import lr_lambda
     from clsys.model.encoder import load_encoder, load_tokenizer
     from clsys.objectives import OBJECTIVES

@@ -17,9 +17,9 @@ from conftest import use_endpoint
 from s3_fault_proxy import Fault, FaultProxy
 
 from clsys import storage
-from clsys.data.shard_reader import load_shards, read_shard
+from clsys.shards.reader import load_shards, read_shard
 from clsys.data.streaming import ShardLoader
-from data_prep.shards import PUBLISHING, ShardWriter
+from clsys.shards.writer import PUBLISHING, ShardWriter
 
 TRANSIENT = ["reset", "500", "503", "truncate"]
 SIZES = [1_000, 0, 12 * 2**20, 300_000]  # 12 MiB: upload_file sends it in 5 MiB parts (see the fixture)

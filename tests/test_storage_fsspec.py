@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from clsys import compare_and_swap, fsspec_store, storage
-from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.lease import Lease
 from clsys.storage import StorageError
-from data_prep.shards import read_manifest
+from clsys.shards.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data_prep" / "samples" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from clsys import storage
-from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position, text_lengths
-from data_prep.shards import ShardWriter
+from clsys.shards.writer import ShardWriter
 
 
 def write_stream(url: str, tmp_path, sizes: list[int], text=lambda n, i: f"sentence {n} {i}") -> list[str]:

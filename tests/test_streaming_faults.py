@@ -12,7 +12,7 @@ import pytest
 from test_streaming import SIZES, collate, consume, same_batches, write_stream
 
 from clsys import storage
-from clsys.data.shard_reader import ShardError, load_shards, read_shard
+from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.data.streaming import ShardLoader, plan_epoch
 
 

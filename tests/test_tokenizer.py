@@ -13,7 +13,7 @@ import sentencepiece as spm
 from transformers import AutoTokenizer
 
 from data_prep.__main__ import main as data_prep
-from data_prep.shards import ShardWriter
+from clsys.shards.writer import ShardWriter
 from data_prep.tokenizer import language_shares, language_targets, sample_sentences, training_lines
 
 ROOT = Path(__file__).resolve().parents[1]

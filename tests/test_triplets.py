@@ -7,7 +7,7 @@ from pathlib import Path
 
 from clsys import storage
 from data_prep.__main__ import main
-from data_prep.shards import read_manifest
+from clsys.shards.manifest import read_manifest
 
 DATA = Path(__file__).parent / "data" / "nli"
 

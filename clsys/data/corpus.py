@@ -12,7 +12,7 @@ import itertools
 from typing import Iterator
 
 from clsys import storage
-from clsys.data.shard_reader import MAX_SHARD_BYTES, load_shards, read_shard
+from clsys.shards.reader import MAX_SHARD_BYTES, load_shards, read_shard
 
 TOKENIZE_CHUNK = 1024  # sentences tokenised at once while counting tokens
 

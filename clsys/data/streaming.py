@@ -9,7 +9,7 @@ How an epoch is laid out (every rank computes the same plan from the manifest, n
   4. every rank stops after the same number of batches: the minimum over ranks of what its
      workers can produce. Equal counts are what keeps collectives from hanging at epoch end.
 
-Shards are read whole and checked before use by ``clsys.data.shard_reader`` (one shard per loader
+Shards are read whole and checked before use by ``clsys.shards.reader`` (one shard per loader
 worker at a time, plus the decoded samples of the shuffle buffer). ``on_bad_sample`` says what bad
 data does:
   - ``error`` (default): a ShardError naming the shard URL, the member or sample and the reason
@@ -79,7 +79,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from clsys.data.shard_reader import MAX_SHARD_BYTES, Shard, ShardError, load_shards, read_shard
+from clsys.shards.reader import MAX_SHARD_BYTES, Shard, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
 _WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
@@ -362,7 +362,7 @@ class ShardLoader:
                  on_bad_sample: str = "error", length_group: int = 0,
                  lengths: Callable[[list[dict]], list[int]] = text_lengths, kind: str = "",
                  max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False):
-        """``kind``: the stream kind whose json fields every sample must have (``clsys.data.sample_fields``);
+        """``kind``: the stream kind whose json fields every sample must have (``clsys.shards.fields``);
         ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``)."""
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")

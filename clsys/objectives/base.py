@@ -73,7 +73,7 @@ class Objective(nn.Module):
     def shard_loader(self, cfg: Config, stream: str, rank: int, world: int):
         """A ``ShardLoader`` over one stream under ``data.url``, configured by the ``data`` section."""
         from clsys import storage
-        from clsys.data.sample_fields import stream_kind
+        from clsys.shards.fields import stream_kind
         from clsys.data.streaming import ShardLoader
 
         data = self.data_side()

@@ -17,7 +17,7 @@ A shard's tar may take at most ``max_bytes`` in memory (``data.max_shard_mb``, 1
 data_prep's 64 MiB shards): a compressed one is decompressed as a stream that stops just past it (a few
 hundred KiB of gzip can hold a GiB of zeros). Members must be plain regular files: tarfile counts GNU
 sparse members as regular, at sizes that reach into the members after them. A sample's ``json`` must
-hold what its stream kind's objective reads (``clsys.data.sample_fields``).
+hold what its stream kind's objective reads (``clsys.shards.fields``).
 
 Reasons a shard or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``,
 ``truncated``, ``corrupt``, ``unsafe``, ``too_large`` (a whole shard), ``undecodable``, ``missing_fields``
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clsys import storage
-from clsys.data.sample_fields import fields_problem
+from clsys.shards.fields import fields_problem
+from clsys.shards.manifest import read_manifest, shard_url
 
 
 def encode_ids(ids: list[int]) -> bytes:
@@ -83,15 +84,13 @@ class Shard:
     sha256: str
     size: int = 0  # bytes, as the manifest lists them (0: not listed)
     text_member: str | None = None  # a foreign stream's text member (read as ``txt``); None: a data_prep stream
-    kind: str = ""  # the stream kind whose json fields each sample must have (sample_fields); "": an object
+    kind: str = ""  # the stream kind whose json fields each sample must have (clsys.shards.fields); "": an object
     max_bytes: int = MAX_SHARD_BYTES  # the most bytes its tar may take in memory, decompressed
 
 
 def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTES) -> list[Shard]:
     """The shards a stream's manifest lists (``read_manifest`` checked every field), to be read as a ``kind``
     stream with tars of at most ``max_bytes``."""
-    from data_prep.shards import read_manifest, shard_url
-
     manifest = read_manifest(stream_url)
     text_member = manifest["foreign"]["text_member"] if "foreign" in manifest else None
     return [Shard(shard_url(stream_url, s["name"]), s["samples"], s["sha256"], s.get("bytes", 0), text_member,

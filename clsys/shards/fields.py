@@ -1,6 +1,6 @@
 """What a sample's metadata (its ``json`` member) must hold, per stream kind: the one place that says it.
 
-``clsys.data.shard_reader`` checks every sample against its stream's kind as it is decoded, so a sample
+``clsys.shards.reader`` checks every sample against its stream's kind as it is decoded, so a sample
 that its objective's collate could not use is bad data (reason ``missing_fields``: left out and counted
 with ``data.on_bad_sample: skip``, else a ShardError naming the shard and the sample) instead of a
 KeyError or AttributeError in a loader worker that names neither.
