@@ -384,7 +384,8 @@ class ShardLoader:
         segment = Segment(self.ranks, self.workers, self.micro_batch, length_group=self.length_group)
         return LoaderState(epoch, self.shuffle_buffer, [segment], self.rank, [0] * self.workers)
 
-    def _layout(self, state: LoaderState) -> Layout:
+    def layout(self, state: LoaderState) -> Layout:
+        """What each (rank, loader worker) reads in the last segment of ``state``'s epoch."""
         return epoch_layout(self.shards, state.epoch, self.seed, state.segments)
 
     def state_dict(self) -> dict:
@@ -397,7 +398,7 @@ class ShardLoader:
         saved = self._epoch_start(state["epoch"]) if legacy else LoaderState.from_dict(state)
         if legacy:
             saved.segments[0].batches = state["batches"]
-        layout = self._layout(saved)
+        layout = self.layout(saved)
         current, limit = saved.segments[-1], layout.batches_per_rank
         if current.batches > limit:
             raise ValueError(f"loader state at batch {current.batches} of epoch {saved.epoch}, which has "
@@ -451,7 +452,7 @@ class SegmentReader:
 
     def __init__(self, loader: ShardLoader, state: LoaderState):
         self.state, self.rank = state, loader.rank
-        self.layout = loader._layout(state)
+        self.layout = loader.layout(state)
         self.batches: Iterator[dict] | None = None
         self.fresh = state.segments[-1].batches == 0
         if state.segments[-1].batches < self.layout.batches_per_rank:
