@@ -30,7 +30,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 quickstart: install
-	$(PY) -m data_prep wiki --input data_prep/samples/*.bz2 --out $(SHARDS) --shard-size-mb 4
+	$(PY) -m data_prep wiki --input data_prep/samples/*.bz2 --out $(SHARDS) --shard-size-mb 0.25
 	rm -rf runs/quickstart
 	$(PY) -m clsys.pretrain
 

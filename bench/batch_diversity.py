@@ -5,7 +5,7 @@
 In-batch negatives from the same article are often false negatives (two sentences about one town),
 so a batch should hold sentences of as many articles as a global shuffle of the corpus gives it.
 The bundled Wikipedia sample is written by ``data_prep wiki`` twice, with its default shuffle window
-(``--shuffle-window-mb 256``) and with ``--shuffle-window-mb 0`` (article order, as data_prep wrote
+(``--shuffle-window-mb 64``) and with ``--shuffle-window-mb 0`` (article order, as data_prep wrote
 before the window existed); each is read by the loader every training rank runs (``ShardLoader``
 with the recipe's ranks, micro-batch, seed, loader workers and shuffle buffer), rank by rank, and
 the global batch of each step is the ranks' micro-batches together. The reference is a uniform
@@ -36,15 +36,16 @@ from clsys.shards.reader import load_shards, read_shard  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 
 
-def article(key: str) -> str:
-    """data_prep wiki keys are <lang>-<page id>-<sentence number>."""
-    return key.rsplit("-", 1)[0]
+def articles(stream: str) -> dict[str, tuple[str, int]]:
+    """Each sentence's article, (lang, page_id), by the key the loader gives it."""
+    return {s["__key__"]: (s["json"]["lang"], s["json"]["page_id"]) for shard in load_shards(stream)
+            for s in read_shard(shard)}
 
 
 def write_sample(out: Path, window_mb: float) -> str:
     subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input",
                     *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))), "--out", str(out),
-                    "--shard-size-mb", "4", "--shuffle-window-mb", str(window_mb)],
+                    "--shard-size-mb", "0.25", "--shuffle-window-mb", str(window_mb)],
                    cwd=REPO, check=True, capture_output=True)
     return str(out / "sentences")
 
@@ -71,8 +72,8 @@ def global_shuffle(stream: str, batch: int, steps: int, seed: int) -> list[list[
     return [keys[i * batch:(i + 1) * batch] for i in range(steps)]
 
 
-def figures(batches: list[list[str]]) -> dict[str, float]:
-    counts = [collections.Counter(map(article, keys)) for keys in batches]
+def figures(batches: list[list[str]], article: dict[str, tuple[str, int]]) -> dict[str, float]:
+    counts = [collections.Counter(article[key] for key in keys) for keys in batches]
     return {"distinct_per_batch": statistics.mean(len(c) for c in counts),
             "most_of_one_article": statistics.mean(max(c.values()) for c in counts),
             "articles_seen": len(set().union(*counts))}
@@ -86,21 +87,22 @@ def main() -> None:
     cfg = load_config(args.config, [])
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-diversity-") as tmp:
-        default = write_sample(Path(tmp) / "default", 256.0)
+        default = write_sample(Path(tmp) / "default", 64.0)
         ordered = write_sample(Path(tmp) / "ordered", 0.0)
+        by_key, by_key_ordered = articles(default), articles(ordered)
         rows["global shuffle (5 seeds)"] = {
-            k: statistics.mean(f[k] for f in (figures(global_shuffle(default, cfg.train.batch_size, args.steps, s))
-                                               for s in range(5)))
+            k: statistics.mean(f[k] for f in (figures(global_shuffle(default, cfg.train.batch_size, args.steps, s),
+                                                      by_key) for s in range(5)))
             for k in ("distinct_per_batch", "most_of_one_article", "articles_seen")}
-        rows["data_prep default (window 256 MB)"] = figures(loader_batches(default, cfg, args.steps))
-        rows["article order (window 0)"] = figures(loader_batches(ordered, cfg, args.steps))
+        rows["data_prep default (window 64 MB)"] = figures(loader_batches(default, cfg, args.steps), by_key)
+        rows["article order (window 0)"] = figures(loader_batches(ordered, cfg, args.steps), by_key_ordered)
     print(f"{args.config}: {cfg.cluster.num_workers} ranks x {cfg.micro_batch} sentences, loader shuffle buffer "
           f"{cfg.data.shuffle_buffer}, {cfg.data.loader_workers} loader worker(s), {args.steps} steps")
     print(f"{'way':<36} {'articles/batch':>15} {'most of one':>12} {'articles seen':>14}")
     for name, f in rows.items():
         print(f"{name:<36} {f['distinct_per_batch']:>15.1f} {f['most_of_one_article']:>12.2f} {f['articles_seen']:>14.1f}")
     reference = rows["global shuffle (5 seeds)"]
-    for label, name in (("default", "data_prep default (window 256 MB)"), ("article_order", "article order (window 0)")):
+    for label, name in (("default", "data_prep default (window 64 MB)"), ("article_order", "article order (window 0)")):
         for key in ("distinct_per_batch", "articles_seen"):
             print(f"ratio {key}_{label}_over_global {rows[name][key] / reference[key]:.3f}")
 

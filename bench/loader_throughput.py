@@ -153,6 +153,13 @@ def main() -> None:
         name = "s3" if source.startswith("s3") else "tokenized" if "tokenized" in source else "file"
         print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
     print(f"ratio training_length_grouped_over_plain {grouped / consumption:.2f}")
+    # Issue 40's targets for one loader worker (samples/s, max length 32): tokenizing >= 15,000, pre-tokenized
+    # >= 40,000; and workers that scale with the cores they get (2 workers >= 1.8x one on 2 cores).
+    by_way = {(source, workers): rate for source, workers, _, rate in rows}
+    for name, source, target in (("file", "file://", 15_000), ("tokenized", "file://, pre-tokenized", 40_000)):
+        one, two = by_way[(source, 1)], by_way[(source, 2)]
+        print(f"ratio loader_{name}_1w_over_target {one / target:.2f}")
+        print(f"ratio loader_{name}_2w_over_1w {two / one:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 sentences, and a free port on 127.0.0.1 for a gloo group."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -13,10 +14,11 @@ SAMPLE_SHARDS = REPO / "runs" / "shards" / "enwiki-sample"
 
 def sample_shards(out: Path = SAMPLE_SHARDS) -> Path:
     """``out`` holding ``python -m data_prep wiki`` output of data_prep/samples (4 MB shards); made if missing."""
-    if not (out / "sentences" / "manifest.json").exists():
+    manifest = out / "sentences" / "manifest.json"
+    if not manifest.exists() or json.loads(manifest.read_text())["format"] != "clsys-shards/2":  # or written before
         subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input",
                         *map(str, sorted((REPO / "data_prep" / "samples").glob("*.bz2"))), "--out", str(out),
-                        "--shard-size-mb", "4"], cwd=REPO, check=True)
+                        "--shard-size-mb", "0.25"], cwd=REPO, check=True)
     return out
 
 

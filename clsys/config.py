@@ -92,8 +92,9 @@ class TrainConfig:
     # fp32; bf16: autocast (bf16 matmuls, fp32 weights, gradients and optimizer state; Linear gradients
     # reduced across ranks in bf16, see deepspeed.torch_autocast); bf16_weights:
     # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory);
-    # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision)
-    precision: str = "fp32"
+    # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision):
+    # the default, so that a GPU (or a CPU with AVX512-BF16/AMX) steps in bf16 without being asked
+    precision: str = "auto"
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     log_every: int = 10  # TensorBoard/console logging interval (steps)

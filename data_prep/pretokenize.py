@@ -2,7 +2,8 @@
 
 Every sample of the input stream (``txt`` + ``json``) is written again, same key and members, plus an
 ``ids`` member: its ``txt`` tokenized without special tokens and cut at ``--max-tokens``, as raw
-little-endian int32 (``clsys.shards.reader.encode_ids``). Each input shard becomes one output
+little-endian int32 (``clsys.shards.reader.encode_ids``). A format 2 stream keeps its blocks: each block is
+written again with its records' ids (``clsys.shards.blocks``). Each input shard becomes one output
 shard, so the shard layout, and with it every training epoch's plan, is the input's. The manifest
 records the tokenizer's name and fingerprint (``clsys.data.pretokenized.tokenizer_fingerprint``):
 training with another tokenizer refuses the stream. The output depends only on the input and the
@@ -11,6 +12,7 @@ tokenizer, so a re-run reproduces every shard and skips the unchanged uploads.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -18,6 +20,7 @@ import time
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
+from clsys.shards.blocks import FORMAT_V2, Record
 from clsys.shards.manifest import MANIFEST, previous_shas, read_manifest
 from clsys.shards.writer import ShardWriter
 
@@ -42,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``tokenize``; returns the exit code (0 ok, 2 unusable input or tokenizer, bad data or storage error)."""
     # Imported here, not at module level: torch and transformers would add seconds to every data_prep command.
     from clsys.data.pretokenized import tokenizer_fingerprint
-    from clsys.shards.reader import ShardError, encode_ids, load_shards, read_shard
+    from clsys.shards.reader import COMPRESSED, ShardError, encode_ids, load_shards, read_shard
     from clsys.model.encoder import load_tokenizer
 
     start = time.time()
@@ -67,17 +70,24 @@ def main(args: argparse.Namespace) -> int:
     tokens = 0
     try:
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
-            # No size limit: shards end where the input's do (close() below).
-            writer = ShardWriter(args.out, tmp, sys.maxsize, previous_shas(args.out))
+            # No size limit: shards end where the input's do (close() below). Format 2 keeps the input's blocks.
+            blocked = manifest["format"] == FORMAT_V2
+            writer = ShardWriter(args.out, tmp, sys.maxsize, previous_shas(args.out), block_records=int(blocked),
+                                 compress=any(s.url.endswith(COMPRESSED) for s in shards))  # as the input's
             for shard in shards:
                 samples = list(read_shard(shard))  # checksum-verified; a bad shard stops the command
+                ids = []
                 for i in range(0, len(samples), BATCH):
-                    batch = samples[i:i + BATCH]
-                    ids = tokenizer([s["txt"] for s in batch], add_special_tokens=False, truncation=True,
-                                    max_length=args.max_tokens)["input_ids"]
-                    for sample, row in zip(batch, ids):
+                    ids += tokenizer([s["txt"] for s in samples[i:i + BATCH]], add_special_tokens=False,
+                                     truncation=True, max_length=args.max_tokens)["input_ids"]
+                tokens += sum(map(len, ids))
+                if blocked:  # a record's key is its block's, "/", its place in it
+                    rows = iter(zip(samples, ids))
+                    for _, block in itertools.groupby(rows, key=lambda row: row[0]["__key__"].rpartition("/")[0]):
+                        writer.write_block([Record(s["txt"], s["json"], row) for s, row in block])
+                else:
+                    for sample, row in zip(samples, ids):
                         writer.write(sample["__key__"], sample["txt"], sample["json"], {"ids": encode_ids(row)})
-                        tokens += len(row)
                 writer.close()
             kept = {k: v for k, v in manifest.items() if k not in _STREAM_FIELDS}  # languages, sources, …
             url = writer.write_manifest({**kept, "tool": f"data_prep {__version__}", "tokenized_from": args.input,

@@ -15,13 +15,11 @@ Output folders are independent (one per language in the per-language layout): up
 ``--parallel-languages`` of them are prepared at once, each in a thread with its own writers, all
 sharing one budget of tasks in flight, so that several dumps are read at the same time.
 
-The workers also encode each article's samples as the bytes they take in a tar (``EncodedPage``,
-``shards.encode_sample``): a sample's key and metadata depend on its page alone, so they can. The main
-process, which has to write every sample in order by itself, is then left with the least serial work:
-admitting pages (duplicates across inputs are only known there), counting, and concatenating bytes into
-shards (``ShardWriter.write_encoded``), receiving a few bytes objects a page instead of many strings and
-dicts. Built there, the samples took about a quarter of a one-process run, a serial part that capped the
-speed-up of more workers or a Ray cluster.
+The shards are format 2 (``clsys.shards.blocks``): blocks of up to ``--block-records`` records a tar sample.
+The workers return each article's records (``EncodedPage``: texts and one metadata dict per article, pickled
+once); the main process, which has to write every record in order by itself, only admits pages (duplicates
+across inputs are only known there), counts, and hands the records to the writers, which shuffle them and
+pack them into blocks, a tar header per block rather than two per sentence.
 
 Each dump's language comes from its ``<siteinfo>`` or its Wikimedia file name (``DumpReader.lang``).
 Dumps of several languages give ``OUT/<lang>/sentences`` and ``OUT/<lang>/documents`` (``--layout``); one
@@ -105,7 +103,8 @@ class WikiJob:
         for folder in dict.fromkeys(folders.values()):
             self.writers[folder] = {name: ShardWriter(storage.join(folder, name), tmp_dir, max_bytes,
                                                       previous_shas(storage.join(folder, name)),
-                                                      int(args.shuffle_window_mb * 2**20), args.seed)
+                                                      int(args.shuffle_window_mb * 2**20), args.seed,
+                                                      args.block_records, args.compress == "gzip")
                                     for name in STREAMS}
         self.counts = {lang: Counts() for lang in folders}
         self.sources: list[SourceReport] = []
@@ -214,15 +213,15 @@ class WikiJob:
         report.pages_lost += pages
 
     def write(self, page: EncodedPage) -> None:
-        """An admitted article's samples, encoded by the worker: counted and handed to the writers as they are."""
+        """An admitted article's records, made by the worker: counted and handed to the writers."""
         counts, streams = self.counts[page.lang], self.writers[self.folders[page.lang]]
         for reason in ("too_short", "too_long", "markup"):
             counts.skipped[reason] += getattr(page.stats, reason)
         if not page.sentences:
             counts.skipped["empty"] += 1
             return
-        streams["sentences"].write_encoded(page.sentences)
-        streams["documents"].write_encoded(page.passages)
+        streams["sentences"].write_records(page.sentences)
+        streams["documents"].write_records(page.passages)
         counts.sentences += len(page.sentences)
         counts.passages += len(page.passages)
 
@@ -332,9 +331,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passage-words", type=cli.positive(int), default=200, metavar="N",
                    help="word budget of a passage in the documents stream; a Chinese or Japanese character "
                         "counts as a word (default: 200)")
-    p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=256.0, metavar="N",
-                   help="write the samples of each N MiB of a stream's output (as tar bytes) in a seeded shuffled "
-                        "order, so that shards mix the sentences of many articles (0: article order; default: 256)")
+    p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=64.0, metavar="N",
+                   help="write the records of each N MiB of a stream's text in a seeded shuffled order, so that "
+                        "shards mix the sentences of many articles (0: article order; default: 64, ~450,000 "
+                        "sentences, ~2x that in this process's memory)")
+    p.add_argument("--block-records", type=cli.positive(int), default=256, metavar="N",
+                   help="records (sentences, passages) per tar sample of the shards (format 2; default: 256)")
+    p.add_argument("--compress", choices=("none", "gzip"), default="none",
+                   help="gzip: shards as .tar.gz (gzip level 1), ~0.5x the text's bytes where plain shards are "
+                        "~1.1x; --shard-size-mb then counts the tar inside (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of that shuffle (default: 0)")
     p.add_argument("--allow-truncated", action="store_true",
                    help="exit 0 (with a warning) when an input is truncated or corrupt; its good pages are kept")

@@ -3,8 +3,8 @@
 A worker cleans and splits the pages of a batch read from a dump without an index (``read_batches``, run
 by a Ray task of its own or by the driver; ``process_batch``), or reads a whole multistream bz2 block
 itself (``process_block``), and returns each
-page's samples already encoded as tar bytes (``encode_page``): the driver, which writes in input order
-and alone, then only admits, counts and concatenates. ``ordered_map`` keeps a bounded window of tasks in
+page's records (``encode_page``): the driver, which writes in input order and alone, then only admits, counts
+and hands them to the writers, which pack them into blocks. ``ordered_map`` keeps a bounded window of tasks in
 flight and yields their results in input order, which is what makes the output independent of the
 number of workers.
 """
@@ -19,7 +19,7 @@ from typing import Iterator
 
 from data_prep.dumps import BadIndex, Block, BlockReader, DumpReader, TruncatedDump, skip_reason
 from data_prep.sentences import Passage, SplitStats, counted_sentences, pack_passages
-from clsys.shards.writer import encode_members, encode_meta
+from clsys.shards.blocks import Record
 from data_prep.wikitext import WikitextCleaner
 
 
@@ -45,13 +45,13 @@ class PageResult:
 
 @dataclass
 class EncodedPage:
-    """One article's samples, each already the bytes ``ShardWriter`` puts in a tar (``encode_sample``), in
-    page order; ``stats``: its sentences skipped. No sentences: an empty article."""
+    """One article's records for the ``sentences`` and ``documents`` streams, in page order; ``stats``: its
+    sentences skipped. No sentences: an empty article."""
 
     lang: str
     page_id: int
-    sentences: list[bytes]
-    passages: list[bytes]
+    sentences: list[Record]
+    passages: list[Record]
     stats: SplitStats
 
 
@@ -98,20 +98,15 @@ def process_page(task: PageTask) -> PageResult:
 
 
 def encode_page(result: PageResult) -> EncodedPage:
-    """The page's samples as the shards hold them. Keys number the page's sentences (and its passages) from 0
-    across its sections, ``LANG-PAGEID-NNNNN``; the metadata name the page and the section."""
-    sentences: list[bytes] = []
-    passages: list[bytes] = []
-    key = f"{result.lang}-{result.page_id}"
+    """The page's records as the shards hold them. A sentence names its article (``lang``, ``page_id``: the
+    same dict for all, pickled once); a passage also its title, its section's heading and its length."""
+    sentence_meta = {"lang": result.lang, "page_id": result.page_id}
+    sentences: list[Record] = []
+    passages: list[Record] = []
     for heading, section_sentences, section_passages in result.sections:
-        meta = {"lang": result.lang, "page_id": result.page_id, "title": result.title, "section": heading}
-        sentence_meta = encode_meta(meta)  # the same for every sentence of the section: encoded once
-        for sentence in section_sentences:
-            sentences.append(encode_members(f"{key}-{len(sentences):05d}",
-                                            {"json": sentence_meta, "txt": sentence.encode()}))
-        for passage in section_passages:
-            passages.append(encode_members(f"{key}-{len(passages):05d}", {
-                "json": encode_meta({**meta, "n_chars": len(passage.text)}), "txt": passage.text.encode()}))
+        sentences += [Record(sentence, sentence_meta) for sentence in section_sentences]
+        meta = {**sentence_meta, "title": result.title, "section": heading}
+        passages += [Record(p.text, {**meta, "n_chars": len(p.text)}) for p in section_passages]
     return EncodedPage(result.lang, result.page_id, sentences, passages, result.stats)
 
 

@@ -60,7 +60,8 @@ def test_help_lists_the_recipes_and_every_key_with_default_and_meaning(capsys):
         assert re.search(rf"^  {recipe} +\S", out, re.M), recipe
     assert "quickstart    The quickstart: unsupervised SimCSE on all-MiniLM-L6-v2" in out
     # default, the quickstart's value where it differs, type, meaning (the field's comment)
-    assert "    train.precision = fp32 [auto]  (str) fp32; bf16: autocast" in out
+    assert "    train.zero_stage = 2 [0]  (int) DeepSpeed ZeRO stage 0-3" in out
+    assert "    train.precision = auto  (str) fp32; bf16: autocast" in out
     assert "    cluster.group_shutdown_timeout_s = 5  (int) A failed worker group's time" in out
     assert "  objective.* of objective.name: clir" in out
     missing = [key for key in known_keys() if f"    {key} = " not in out]

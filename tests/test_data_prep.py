@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bz2
+import gzip
 import itertools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import pytest
 from clsys import storage
 from data_prep.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
 from clsys.shards.manifest import read_manifest
+from clsys.shards.reader import load_shards, read_shard
 from data_prep.dumps import SiteInfo
 from data_prep.wikitext import WikitextCleaner
 
@@ -41,8 +43,8 @@ def small_dump(xml: bytes, first_page: int, n_pages: int) -> bytes:
     return head + body.split(b"</mediawiki>")[0] + b"</mediawiki>\n"
 
 
-def read_stream(folder: Path, manifest: dict) -> list[dict[str, bytes]]:
-    """Every sample of a local stream, checking tar contents against the manifest on the way."""
+def read_blocks(folder: Path, manifest: dict) -> list[dict[str, bytes]]:
+    """Every tar sample of a local stream (format 2: blocks), checking tar contents against the manifest."""
     samples = []
     for shard in manifest["shards"]:
         path = folder / shard["name"]
@@ -56,8 +58,27 @@ def read_stream(folder: Path, manifest: dict) -> list[dict[str, bytes]]:
             for m in members:
                 key, ext = m.name.split(".", 1)
                 by_key.setdefault(key, {"__key__": key})[ext] = tar.extractfile(m).read()
-        assert len(by_key) == shard["samples"]
+        assert len(by_key) == shard["blocks"]
         samples.extend(by_key.values())
+    return samples
+
+
+def records(block: dict[str, bytes]) -> list[dict[str, bytes]]:
+    """A format 2 block's records as format 1 samples were: txt and json bytes, the key ``BLOCK/i``; read here
+    with json and str alone, as a user's own code would."""
+    meta = json.loads(block["json"])
+    texts = block["txt"].decode().split("\n")
+    assert len(texts) == meta["records"] and set(meta) == {"records", "constant", "columns"}
+    assert all(len(column) == len(texts) for column in meta["columns"].values())
+    return [{"__key__": f"{block['__key__']}/{i}", "txt": text.encode(),
+             "json": json.dumps({**meta["constant"], **{k: v[i] for k, v in meta["columns"].items()}}).encode()}
+            for i, text in enumerate(texts)]
+
+
+def read_stream(folder: Path, manifest: dict) -> list[dict[str, bytes]]:
+    """Every record of a local format 2 stream, checking tar contents and counts against the manifest."""
+    samples = [record for block in read_blocks(folder, manifest) for record in records(block)]
+    assert len(samples) == manifest["samples"] == sum(s["samples"] for s in manifest["shards"])
     return samples
 
 
@@ -131,7 +152,7 @@ def test_bundled_dump_to_local(sample_run):
     out, result = sample_run
     for stream in STREAMS:
         manifest = read_manifest(f"file://{out / stream}")
-        assert manifest["format"] == "clsys-shards/1" and manifest["stream"] == stream
+        assert manifest["format"] == "clsys-shards/2" and manifest["stream"] == stream
         assert manifest["languages"] == ["en"]
         (source,) = manifest["sources"]
         assert source["file"] == SAMPLE.name and source["status"] == "complete" and source["byte_offset"] is None
@@ -147,10 +168,12 @@ def test_bundled_dump_to_local(sample_run):
         for sample in samples:
             assert set(sample) == {"__key__", "txt", "json"}
             meta = json.loads(sample["json"])
-            assert meta["lang"] == "en" and sample["__key__"].startswith(f"en-{meta['page_id']}-")
+            assert meta["lang"] == "en" and isinstance(meta["page_id"], int)
             assert sample["txt"].decode().strip()
             if stream == "documents":
-                assert meta["n_chars"] == len(sample["txt"].decode())
+                assert meta["n_chars"] == len(sample["txt"].decode()) and {"title", "section"} <= set(meta)
+            else:  # a sentence names its article; titles and headings are the documents stream's
+                assert set(meta) == {"lang", "page_id"}
     sentences = read_stream(out / "sentences", read_manifest(f"file://{out / 'sentences'}"))
     texts = {s["txt"].decode() for s in sentences}
     assert any("Anarchism is a political philosophy" in t for t in texts)
@@ -165,7 +188,7 @@ def test_webdataset_reads_shards(sample_run):
     out, _ = sample_run
     manifest = read_manifest(f"file://{out / 'documents'}")
     first = next(iter(wds.WebDataset(str(out / "documents" / manifest["shards"][0]["name"]), shardshuffle=False)))
-    ours = read_stream(out / "documents", manifest)[0]
+    ours = read_blocks(out / "documents", manifest)[0]
     assert set(first) >= {"__key__", "txt", "json"}
     assert (first["__key__"], first["txt"], first["json"]) == (ours["__key__"], ours["txt"], ours["json"])
 
@@ -226,14 +249,34 @@ def test_default_shuffle_mixes_articles(sample_run, tmp_path):
     result = run_cli("--input", SAMPLE, "--out", ordered, "--shard-size-mb", "0.5", "--shuffle-window-mb", "0")
     assert result.returncode == 0, result.stderr
     manifest = read_manifest(f"file://{out / 'sentences'}")
-    assert manifest["shuffle"] == {"window_mb": 256.0, "seed": 0}
+    assert manifest["shuffle"] == {"window_mb": 64.0, "seed": 0}
     assert read_manifest(f"file://{ordered / 'sentences'}")["shuffle"] == {"window_mb": 0.0, "seed": 0}
     for stream in STREAMS:
-        shuffled = [s["__key__"] for s in read_stream(out / stream, read_manifest(f"file://{out / stream}"))]
-        in_order = [s["__key__"] for s in read_stream(ordered / stream, read_manifest(f"file://{ordered / stream}"))]
+        shuffled, in_order = ([(s["txt"], json.loads(s["json"])["page_id"]) for s in read_stream(folder / stream,
+                               read_manifest(f"file://{folder / stream}"))] for folder in (out, ordered))
         assert sorted(shuffled) == sorted(in_order)
-        articles = [len({key.rsplit("-", 1)[0] for key in keys[:64]}) for keys in (shuffled, in_order)]
+        articles = [len({page for _, page in records[:64]}) for records in (shuffled, in_order)]
         assert articles[0] >= 30 and articles[1] <= 3, (stream, articles)
+
+
+def test_gzip_shards_hold_the_same_records(sample_run, tmp_path):
+    """--compress gzip: .tar.gz shards whose tars are the plain run's, byte for byte, in fewer bytes; training
+    reads the same records; a re-run reproduces every shard."""
+    out, _ = sample_run
+    for attempt in ("first", "again"):
+        result = run_cli("--input", SAMPLE, "--out", tmp_path / "gz", "--shard-size-mb", "0.5", "--compress", "gzip")
+        assert result.returncode == 0, result.stderr
+    assert result.stdout.count("(0 uploaded") == 2  # both streams' shards: identical, upload skipped
+    for stream in STREAMS:
+        plain, packed = (read_manifest(f"file://{folder / stream}") for folder in (out, tmp_path / "gz"))
+        assert [s["name"] for s in packed["shards"]] == [s["name"] + ".gz" for s in plain["shards"]]
+        for p, z in zip(plain["shards"], packed["shards"]):
+            data = (tmp_path / "gz" / stream / z["name"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == z["sha256"] and len(data) == z["bytes"] < p["bytes"] / 2
+            assert gzip.decompress(data) == (out / stream / p["name"]).read_bytes()
+        records = [(s["__key__"], s["txt"], s["json"]) for folder in (out, tmp_path / "gz")
+                   for shard in load_shards(f"file://{folder / stream}") for s in read_shard(shard)]
+        assert records[:len(records) // 2] == records[len(records) // 2:]
 
 
 def test_idempotent_rerun(sample_run, tmp_path):
@@ -269,7 +312,7 @@ def test_s3_output(s3_bucket, sample_xml, tmp_path):
     with tarfile.open(local) as tar:
         names = tar.getnames()
     first = names[0].removesuffix(".json")
-    assert names[:2] == [f"{first}.json", f"{first}.txt"] and len(names) == 2 * manifest["samples"]
+    assert names[:2] == [f"{first}.json", f"{first}.txt"] and len(names) == 2 * manifest["shards"][0]["blocks"]
     assert read_manifest(f"{out}/documents")["samples"] > 0
 
 

@@ -127,7 +127,7 @@ def test_bf16_autocast_can_reduce_every_gradient_in_fp32(tiny):
 
 def test_compiled_step_matches_the_eager_step(tiny, fp32_step):
     eager = fp32_step
-    compiled = run_step(tiny, "train.compile=true")
+    compiled = run_step(tiny, "train.precision=fp32", "train.compile=true")
     assert compiled["compiled"] and not eager["compiled"]
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=1e-5)
     for name, weight in eager["weights"].items():

@@ -62,11 +62,15 @@ def test_tokenize_adds_the_tokenizers_ids(streams, minilm):
     expected = minilm([s["txt"] for s in plain], add_special_tokens=False)["input_ids"]
     assert [s["ids"] for s in tokenized] == expected
     assert max(map(len, expected)) > 32  # long enough to test truncation below
-    # The member itself: raw little-endian int32, nothing else.
+    # The member itself: the block's records' ids, raw little-endian int32, nothing else; the blocks are the input's.
+    assert [s["blocks"] for s in after["shards"]] == [s["blocks"] for s in before["shards"]]
     with tarfile.open(tok / after["shards"][0]["name"]) as tar:
         member = next(m for m in tar if m.name.endswith(".ids"))
         raw = tar.extractfile(member).read()
-    assert np.frombuffer(raw, dtype="<i4").tolist() == tokenized[0]["ids"]
+        lengths = json.loads(tar.extractfile(member.name.replace(".ids", ".json")).read())["ids_lengths"]
+    first_block = [s["ids"] for s in tokenized[:len(lengths)]]
+    assert [len(ids) for ids in first_block] == lengths
+    assert np.frombuffer(raw, dtype="<i4").tolist() == [i for ids in first_block for i in ids]
 
 
 def test_rerun_is_byte_identical(streams, tmp_path, capsys):
@@ -240,4 +244,4 @@ def test_bad_input_exits_2(case, streams, tmp_path):
     if case in ("missing_stream", "no_manifest"):
         assert "no manifest.json" in proc.stderr
     if case == "out_is_input":
-        assert json.loads((streams[0] / "manifest.json").read_text())["format"] == "clsys-shards/1"
+        assert json.loads((streams[0] / "manifest.json").read_text())["format"] == "clsys-shards/2"

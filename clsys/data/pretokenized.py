@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+from clsys.data.batch_tokenizer import BatchTokenizer
 
 # The parts of a fast tokenizer's backend JSON that decide the ids of a text. Left out: the version,
 # the decoder (ids -> text only), and truncation/padding, which every call with truncation=True or
@@ -68,10 +72,13 @@ class Framing:
 
 
 class SentenceBatcher:
-    """``txt`` samples -> encoder inputs: from their ``ids`` when every sample has them, else by tokenizing."""
+    """``txt`` samples -> encoder inputs: from their ``ids`` when every sample has them, else by tokenizing.
+    Either way exactly the tensors of ``tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+    return_tensors="pt")``, built without a Python step per token."""
 
     def __init__(self, tokenizer, max_length: int):
         self.tokenizer, self.max_length = tokenizer, max_length
+        self.encode = BatchTokenizer(tokenizer, max_length)
 
     @functools.cached_property
     def framing(self) -> Framing:
@@ -79,24 +86,44 @@ class SentenceBatcher:
 
     def __call__(self, samples: list[dict[str, Any]], copies: int = 1) -> dict[str, torch.Tensor]:
         """The batch of ``samples`` repeated ``copies`` times (rows [0, B) the first copy, and so on)."""
-        if not all("ids" in s for s in samples):
-            # Tokenized once and repeated: padding=True pads to the longest row either way.
-            batch = self.tokenizer([s["txt"] for s in samples], padding=True, truncation=True,
-                                   max_length=self.max_length, return_tensors="pt")
-            return {k: v.repeat(copies, 1) for k, v in batch.items()}
+        if all("ids" in s for s in samples):
+            batch = self._from_ids([s["ids"] for s in samples])
+        else:
+            batch = self.encode([s["txt"] for s in samples])
+        # Built once and repeated: padding=True pads to the longest row either way.
+        return {k: v.repeat(copies, 1) for k, v in batch.items()}
+
+    def _from_ids(self, ids: list) -> dict[str, torch.Tensor]:
+        """The batch of the texts these ids (without special tokens; lists or int arrays) came from: framed, cut
+        as truncation=True cuts, padded; [batch, width] arrays filled through masks, no Python step per token."""
         prefix, suffix, types = self.framing.prefix, self.framing.suffix, self.framing.types
         keep = self.max_length - len(prefix) - len(suffix)  # what truncation=True keeps of the text
-        rows = [prefix + s["ids"][:keep] + suffix for s in samples]
-        width = max(map(len, rows))
-        out = {"input_ids": self._pad(rows, self.tokenizer.pad_token_id, width),
-               "attention_mask": self._pad([[1] * len(r) for r in rows], 0, width)}
+        left_cut = self.tokenizer.truncation_side == "left"
+        texts = [row[max(len(row) - keep, 0):] if left_cut else row[:keep] for row in ids]
+        text_lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+        lengths = text_lengths + len(prefix) + len(suffix)
+        width = int(lengths.max())
+        # Row i fills columns [start_i, end_i): flush left, or flush right when the tokenizer pads left.
+        starts = width - lengths if self.tokenizer.padding_side == "left" else np.zeros_like(lengths)
+        ends = starts + lengths
+        columns = np.arange(width)
+        real = (columns >= starts[:, None]) & (columns < ends[:, None])
+        text = (columns >= starts[:, None] + len(prefix)) & (columns < ends[:, None] - len(suffix))
+        flat = np.fromiter(itertools.chain.from_iterable(texts), np.int64, int(text_lengths.sum()))  # row-major
+        out = {"input_ids": self._framed(text, starts, ends, self.tokenizer.pad_token_id, (prefix, flat, suffix)),
+               "attention_mask": real.astype(np.int64)}
         if types is not None:
-            before, text, after = types
-            type_rows = [before + [text] * (len(r) - len(before) - len(after)) + after for r in rows]
-            out["token_type_ids"] = self._pad(type_rows, self.tokenizer.pad_token_type_id, width)
-        return {k: v.repeat(copies, 1) for k, v in out.items()}
+            out["token_type_ids"] = self._framed(text, starts, ends, self.tokenizer.pad_token_type_id, types)
+        return {key: torch.from_numpy(out[key]) for key in self.encode.keys}  # the HF call's keys, in its order
 
-    def _pad(self, rows: list[list[int]], value: int, width: int) -> torch.Tensor:
-        fill = [[value] * (width - len(r)) for r in rows]
-        left = self.tokenizer.padding_side == "left"
-        return torch.tensor([f + r if left else r + f for f, r in zip(fill, rows)], dtype=torch.long)
+    @staticmethod
+    def _framed(text: np.ndarray, starts: np.ndarray, ends: np.ndarray, pad: int, values: tuple) -> np.ndarray:
+        """[batch, width] of ``pad`` but in each row's [start, end): ``values`` = (before, inside, after), ``before``
+        at its start, ``after`` at its end, ``inside`` where ``text`` is (one value, or every row's in turn)."""
+        before, inside, after = values
+        out = np.full(text.shape, pad, np.int64)
+        out[text] = inside
+        every_row = np.arange(len(starts))[:, None]
+        out[every_row, starts[:, None] + np.arange(len(before))] = before
+        out[every_row, ends[:, None] - len(after) + np.arange(len(after))] = after
+        return out

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
+from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining, pool
 from clsys.model.long import long_attention_inputs
@@ -145,6 +146,7 @@ class CLIR(Objective):
         pooler = nsp_head[0]  # BERT's pretrained dense + tanh on [CLS]; its NSP classifier is not used
         self.rr_head = nn.Sequential(pooler, nn.Dropout(oc.rr_dropout), nn.Linear(pooler.dense.out_features, 2))
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, bernoulli=True)
+        self.keep_texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=True)  # e₀'s single texts
         self.pools: dict[str, collections.deque] = collections.defaultdict(  # picklable: loader workers get it
             functools.partial(collections.deque, maxlen=oc.random_pool))
         self.latest: dict[str, torch.Tensor] = {}  # newest value of every metric, so logs show all tasks
@@ -207,9 +209,7 @@ class CLIR(Objective):
             batch["rr_labels"] = torch.tensor(labels)
         if self.oc.keep_weight:
             for side, texts in (("query", queries), ("document", positives)):
-                encoding = self.tokenizer(texts, truncation=True, max_length=self.cfg.data.max_length, padding=True,
-                                          return_tensors="pt", return_token_type_ids=True)
-                batch.update({f"keep_{side}_{k}": v for k, v in encoding.items()})
+                batch.update({f"keep_{side}_{k}": v for k, v in self.keep_texts(texts).items()})
         return batch
 
     # ---- losses -------------------------------------------------------------------------------

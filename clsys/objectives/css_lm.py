@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
+from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.losses.pairwise import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
 from clsys.objectives.base import LossOutput, Objective
@@ -133,6 +134,7 @@ class CSSLM(Objective):
             # view), where ZeRO-3 would hand out empty partitions. Fine-tuning fits ZeRO-2 anyway.
             raise ValueError("objective.name: css_lm needs train.zero_stage 0-2, got 3")
         self.oc = oc
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=False)  # one text a row
         self.model = build_encoder(cfg.model, tokenizer)
         d = self.model.config.hidden_size
         self.task_head = task_head(d, oc.num_labels, oc.classifier_dropout)
@@ -153,29 +155,25 @@ class CSSLM(Objective):
 
     # ---- batches ------------------------------------------------------------------------------
 
-    def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.cfg.data.max_length,
-                                   return_tensors="pt", return_token_type_ids=False))
-
     def collate_labeled(self, texts: list[str], labels: list[int],
                         corpus: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """A training batch. Stage A also needs ``domain_negatives`` corpus sentences per text, query
         after query (query i's are rows i·n … (i+1)·n − 1 of ``corpus``, a ``collate`` output)."""
         if len(texts) != len(labels):
             raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
-        batch = {**self._tokenize(texts), "labels": torch.tensor(labels, dtype=torch.long)}
+        batch = {**self.texts(texts), "labels": torch.tensor(labels, dtype=torch.long)}
         if corpus is not None:
             batch.update(corpus_input_ids=corpus["corpus_input_ids"], corpus_attention_mask=corpus["corpus_attention_mask"])
         return batch
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Corpus sentences (``sentences`` shard samples) → stage A's domain negatives; runs in loader workers."""
-        corpus = self._tokenize([s["txt"] for s in samples])
+        corpus = self.texts([s["txt"] for s in samples])
         return {"corpus_input_ids": corpus["input_ids"], "corpus_attention_mask": corpus["attention_mask"]}
 
     def collate_corpus(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """Unlabeled sentences for ``encode_views`` (the bank builder) and for classification."""
-        return self._tokenize(texts)
+        return self.texts(texts)
 
     # ---- views and classification -------------------------------------------------------------
 

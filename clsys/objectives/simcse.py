@@ -103,8 +103,7 @@ class SimCSE(Objective):
         if self.supervised:
             # Rows [0, B) anchors, [B, 2B) their entailments, [2B, 3B) their contradictions.
             texts = [s["json"][part] for part in ("anchor", "positive", "negative") for s in samples]
-            batch = dict(self.tokenizer(texts, padding=True, truncation=True,
-                                        max_length=self.cfg.data.max_length, return_tensors="pt"))
+            batch = self.sentences.encode(texts)
         else:
             # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
             batch = self.sentences(samples, copies=2)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
+from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining, build_masked_lm
 from clsys.objectives.base import LossOutput, Objective
@@ -118,6 +119,7 @@ class TaCL(Objective):
         self.teacher = copy.deepcopy(self.model)
         self.teacher.requires_grad_(False)
         self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, oc.mask_cap)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, pad_to_max_length=oc.pad_negatives)
         self.oc = oc
 
     def train(self, mode: bool = True) -> "TaCL":
@@ -126,16 +128,15 @@ class TaCL(Objective):
         return self
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        padding = "max_length" if self.oc.pad_negatives else True
-        encode = dict(padding=padding, truncation=True, max_length=self.cfg.data.max_length, return_tensors="pt")
         extra = {}
         if self.oc.nsp_weight:  # (the NSP head itself is not in the loader workers' copy of the objective)
             # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
             firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
-            batch = self.tokenizer(firsts, seconds, **{**encode, "truncation": "longest_first"})
+            batch = self.tokenizer(firsts, seconds, padding="max_length" if self.oc.pad_negatives else True,
+                                   truncation="longest_first", max_length=self.cfg.data.max_length, return_tensors="pt")
             extra["nsp_labels"] = torch.tensor(labels)
         else:
-            batch = self.tokenizer([s["txt"] for s in samples], **encode)
+            batch = self.texts([s["txt"] for s in samples])
         masked_ids, chosen = self.masker(batch["input_ids"], batch["attention_mask"])
         return {**batch, "masked_input_ids": masked_ids, "chosen": chosen, **extra}
 

@@ -55,7 +55,10 @@ def stream_kind(stream: str) -> str:
 def fields_problem(kind: str, meta: Any) -> str | None:
     """Why ``meta``, a sample's decoded json, is not what a ``kind`` stream's samples hold, or None. An
     unknown kind ("" included) asks for an object only."""
-    return _problem(meta, SAMPLE_FIELDS.get(kind, {}), "json")
+    spec = SAMPLE_FIELDS.get(kind, {})
+    if not spec and type(meta) is dict:  # most samples (sentences): asked for an object, and one it is
+        return None
+    return _problem(meta, spec, "json")
 
 
 def _problem(value: Any, spec: Spec, where: str) -> str | None:

@@ -11,18 +11,21 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from clsys import storage
+from clsys.shards.blocks import FORMAT_V2
 from clsys.storage import StorageError
 
-FORMAT = "clsys-shards/1"
+FORMAT = "clsys-shards/1"  # a tar sample per record; what foreign streams' manifests say too
+FORMATS = (FORMAT, FORMAT_V2)
 MANIFEST = "manifest.json"
 
 
 @dataclass
 class ShardInfo:
     name: str
-    samples: int
+    samples: int  # records (format 1: tar samples)
     bytes: int
     sha256: str
+    blocks: int | None = None  # format 2: tar samples (blocks); None in format 1
 
 
 def shard_url(stream_url: str, name: str) -> str:
@@ -110,6 +113,7 @@ _MANIFEST = {"format": _text, "stream": _text, "shards": _list, "samples": _coun
 _SHARD_NAME = {"name": _rule(shard_name_problem)}
 _SHARD = {"samples": _count, "sha256": _sha256}
 _SHARD_OPTIONAL = {"bytes": _count}  # absent: the shard's size is not compared when it is read
+_SHARD_V2 = {"blocks": _count}  # format 2
 _SECTIONS = {"tokenizer": {"name": _text, "fingerprint": _text, "max_tokens": _count},  # data_prep tokenize
              "foreign": {"text_member": _rule(text_member_problem)}}  # data_prep manifest
 
@@ -134,8 +138,9 @@ def read_manifest(stream_url: str) -> dict:
     """Load and validate ``stream_url/manifest.json``; ``StorageError`` names the URL, the field and (for a
     shard's) the shard entry.
 
-    The training loader relies on ``format``, ``stream``, ``samples`` and ``shards[].name/samples/sha256/bytes``
-    (counts are whole numbers >= 0, sha256 64 lowercase hex digits); shard names follow ``shard_name_problem``
+    The training loader relies on ``format`` (``clsys-shards/1``, or ``/2``: blocks of records,
+    ``clsys.shards.blocks``), ``stream``, ``samples`` and ``shards[].name/samples/sha256/bytes`` (and, format 2,
+    ``blocks``; counts are whole numbers >= 0, sha256 64 lowercase hex digits); shard names follow ``shard_name_problem``
     (file names in the stream folder, or absolute URLs: ``shard_url``). A pre-tokenized stream's ``tokenizer``
     (name, fingerprint, max_tokens) is checked against the training tokenizer; a foreign stream's
     ``foreign.text_member`` names the member holding each sample's text.
@@ -145,11 +150,14 @@ def read_manifest(stream_url: str) -> dict:
     if not isinstance(manifest, dict):
         raise StorageError(f"{url}: manifest must be a JSON object")
     _check_fields(url, "", manifest, _MANIFEST)
-    if manifest["format"] != FORMAT:
-        raise StorageError(f"{url}: manifest format is {manifest['format']!r}, expected {FORMAT!r}")
+    if manifest["format"] not in FORMATS:
+        raise StorageError(f"{url}: manifest format is {manifest['format']!r}, expected one of {', '.join(FORMATS)}")
+    if manifest["format"] == FORMAT_V2 and "foreign" in manifest:
+        raise StorageError(f"{url}: manifest field 'foreign': a foreign stream's manifest is {FORMAT!r}")
+    required = {**_SHARD, **_SHARD_V2} if manifest["format"] == FORMAT_V2 else _SHARD
     for i, shard in enumerate(manifest["shards"]):
         _check_fields(url, f"shards[{i}]", shard, _SHARD_NAME)
-        _check_fields(url, f"shards[{i}]", shard, _SHARD, _SHARD_OPTIONAL, f" (shard {shard['name']!r})")
+        _check_fields(url, f"shards[{i}]", shard, required, _SHARD_OPTIONAL, f" (shard {shard['name']!r})")
     for section, fields in _SECTIONS.items():
         if section in manifest:
             _check_fields(url, section, manifest[section], fields)

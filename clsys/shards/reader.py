@@ -19,6 +19,11 @@ hundred KiB of gzip can hold a GiB of zeros). Members must be plain regular file
 sparse members as regular, at sizes that reach into the members after them. A sample's ``json`` must
 hold what its stream kind's objective reads (``clsys.shards.fields``).
 
+A format 2 shard's samples are blocks of records (``clsys.shards.blocks``), which ``read_shard`` yields record
+by record: their number (the manifest's ``blocks``) and the records their json counts (its ``samples``) are
+checked with the rest of the shard. A block whose members disagree is one bad sample (``undecodable``), a
+record whose metadata lacks its stream kind's fields one more (``missing_fields``).
+
 Reasons a shard or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``,
 ``truncated``, ``corrupt``, ``unsafe``, ``too_large`` (a whole shard), ``undecodable``, ``missing_fields``
 (one sample: a member, or a json field its stream kind needs, is missing or of the wrong type).
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clsys import storage
+from clsys.shards.blocks import FORMAT_V2, BlockError, record_count, split_block
 from clsys.shards.fields import fields_problem
 from clsys.shards.manifest import read_manifest, shard_url
 
@@ -86,6 +92,7 @@ class Shard:
     text_member: str | None = None  # a foreign stream's text member (read as ``txt``); None: a data_prep stream
     kind: str = ""  # the stream kind whose json fields each sample must have (clsys.shards.fields); "": an object
     max_bytes: int = MAX_SHARD_BYTES  # the most bytes its tar may take in memory, decompressed
+    blocks: int | None = None  # format 2: its tar samples, blocks of ``samples`` records in all; None: format 1
 
 
 def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTES) -> list[Shard]:
@@ -93,8 +100,9 @@ def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTE
     stream with tars of at most ``max_bytes``."""
     manifest = read_manifest(stream_url)
     text_member = manifest["foreign"]["text_member"] if "foreign" in manifest else None
+    blocked = manifest["format"] == FORMAT_V2
     return [Shard(shard_url(stream_url, s["name"]), s["samples"], s["sha256"], s.get("bytes", 0), text_member,
-                  kind, max_bytes) for s in manifest["shards"]]
+                  kind, max_bytes, s["blocks"] if blocked else None) for s in manifest["shards"]]
 
 
 def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
@@ -131,9 +139,27 @@ def _check_shard(shard: Shard, data: bytes, verify: bool) -> tuple[bytes, list[t
         raise BadData("checksum", f"sha256 {got} does not match the manifest ({shard.sha256})")
     tar = untar_bytes(shard.url, data, shard.max_bytes)
     samples = sample_members(tar, shard.text_member)
-    if len(samples) != shard.samples:
-        raise BadData("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
+    if shard.blocks is None:
+        if len(samples) != shard.samples:
+            raise BadData("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
+        return tar, samples
+    if len(samples) != shard.blocks:
+        raise BadData("corrupt", f"{len(samples)} blocks, the manifest says {shard.blocks}")
+    records = sum(_block_records(key, members, tar) for key, members in samples)
+    if records != shard.samples:
+        raise BadData("corrupt", f"its blocks hold {records} records, the manifest says {shard.samples}")
     return tar, samples
+
+
+def _block_records(key: str, members: dict[str, tuple[int, int]], tar: bytes) -> int:
+    """The records a format 2 block's json counts; a block without a readable count makes its shard bad."""
+    if "json" not in members:
+        raise BadData("corrupt", f"block {key} has no .json member")
+    offset, size = members["json"]
+    try:
+        return record_count(json.loads(tar[offset:offset + size]))
+    except (ValueError, BlockError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadData("corrupt", f"block {key}: {err}") from None
 
 
 def untar_bytes(url: str, data: bytes, max_bytes: int = MAX_SHARD_BYTES) -> bytes:
@@ -197,7 +223,8 @@ def sample_members(tar: bytes, text_member: str | None = None, extensions: colle
     return samples
 
 
-def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: Shard) -> dict[str, Any]:
+def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: Shard) -> list[dict[str, Any]]:
+    """The samples of one tar sample: itself (format 1), or its block's records (format 2)."""
     text_member = shard.text_member
     required = (text_member,) if text_member else FIELDS
     missing = [f".{f}" for f in required if f not in members]
@@ -207,14 +234,26 @@ def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: S
     decoded: dict[str, Any] = {"__key__": key} if text_member is None else {"__key__": key, "json": {}}
     for ext, (offset, size) in members.items():
         field = "txt" if ext == text_member else ext
+        if shard.blocks is not None and ext == "ids":
+            decoded["ids"] = data[offset:offset + size]  # the block's: split_block cuts it
+            continue
         try:
             decoded[field] = SAFE_EXTENSIONS[field](data[offset:offset + size])
         except ValueError as err:  # UnicodeDecodeError, JSONDecodeError and decode_ids's all are
             raise BadData("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
-    if problem := fields_problem(shard.kind, decoded["json"]):
-        foreign = " (a foreign stream's samples have no metadata: their json is {})" if text_member else ""
-        raise BadData("missing_fields", f"sample {key}: {problem}{foreign}")
-    return decoded
+    if shard.blocks is None:
+        return [decoded]
+    try:
+        return split_block(key, decoded["txt"], decoded["json"], decoded.get("ids"))
+    except BlockError as err:
+        raise BadData("undecodable", f"block {key}: {err}") from None
+
+
+def _fields_fault(sample: dict[str, Any], shard: Shard) -> BadData | None:
+    if problem := fields_problem(shard.kind, sample["json"]):
+        foreign = " (a foreign stream's samples have no metadata: their json is {})" if shard.text_member else ""
+        return BadData("missing_fields", f"sample {sample['__key__']}: {problem}{foreign}")
+    return None
 
 
 def read_shard(shard: Shard, verify: bool = True,
@@ -241,8 +280,12 @@ def read_shard(shard: Shard, verify: bool = True,
         return
     for key, members in samples:
         try:
-            sample = _decode(key, members, tar, shard)
+            decoded = _decode(key, members, tar, shard)
         except BadData as fault:
             bad(fault)
             continue
-        yield sample
+        for sample in decoded:
+            if (fault := _fields_fault(sample, shard)) is not None:
+                bad(fault)
+                continue
+            yield sample

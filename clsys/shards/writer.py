@@ -11,6 +11,10 @@ A sample's tar bytes (its members, headers and padding included) depend on the s
 built by ``encode_sample``, a pure function, wherever the sample is made: ``data_prep wiki``'s workers or
 Ray tasks return their pages' samples encoded, and the single process that writes the shards in order only
 concatenates them (``ShardWriter.write_encoded``) instead of building every header and JSON itself.
+
+Format 2 (``block_records`` > 0, ``clsys.shards.blocks``): records (``write_records``: a text, its metadata,
+optionally token ids) are held in the same shuffle window, then written as blocks of up to ``block_records``
+records each, a tar sample per block.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ import os
 import random
 import sys
 import tarfile
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, NoReturn
 
 from clsys import storage
+from clsys.shards.blocks import FORMAT_V2, RECORD_OVERHEAD, Record, block_members
 from clsys.shards.manifest import FORMAT, MANIFEST, ShardInfo
 from clsys.storage import StorageError
 
@@ -45,6 +51,9 @@ _ZEROS = bytes(512)
 # Samples are written (and hashed) in runs of this many: one call per sample costs more in Python than
 # the copy, and one run for a whole shard would allocate (and fault in) its size in fresh memory.
 _SAMPLES_PER_WRITE = 256
+# gzip's level for ``compress``: on the bundled sample level 1 gives 0.52x the text's bytes against 0.45x for
+# level 6, compressing ~4x faster in the one process that writes a data_prep run's shards (bench/shard_bytes.py).
+GZIP_LEVEL = 1
 # Finished shards being published (uploaded, or flushed to disk and renamed into place) by a writer's
 # background threads at once. An upload is network time, not CPU: done in line, it stopped the writer, and
 # with it the one process that writes a data_prep run's shards, for a 64 MiB shard at a time. More finished
@@ -108,6 +117,15 @@ class ShardWriter:
     loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
     would give it. The order depends on the samples and the seed alone: re-runs reproduce every shard.
 
+    ``block_records`` > 0 writes format 2: ``write_records`` takes records (``write`` and ``write_encoded``
+    refuse), which the window shuffles as it does samples; each window (or, without one, every
+    ``block_records`` records) is cut into blocks of that many, its last one shorter. ``write_block`` writes
+    one block as given (``data_prep tokenize`` keeps its input's blocks).
+
+    ``compress``: each shard a gzip stream (``shard-NNNNNN.tar.gz``, level ``GZIP_LEVEL``, no timestamp: the bytes
+    still depend on the samples alone), compressed as it is written; ``max_bytes`` counts the tar inside, and
+    the manifest lists the compressed bytes and their sha256.
+
     ``write_encoded`` takes samples ``encode_sample`` already made (elsewhere, e.g. in a worker process):
     the same bytes, windows and order as ``write`` with each sample's fields.
     """
@@ -118,6 +136,8 @@ class ShardWriter:
     previous: dict[str, str] = field(default_factory=dict)
     shuffle_window: int = 0
     seed: int = 0
+    block_records: int = 0
+    compress: bool = False
     shards: list[ShardInfo] = field(default_factory=list, init=False)
     uploaded: int = field(default=0, init=False)
     unchanged: int = field(default=0, init=False)
@@ -125,12 +145,15 @@ class ShardWriter:
     _tar: BinaryIO | None = field(default=None, init=False, repr=False)
     _path: str = field(default="", init=False, repr=False)
     _sha: Any = field(default=None, init=False, repr=False)
+    _gzip: Any = field(default=None, init=False, repr=False)  # the shard's zlib compressor (``compress``)
     _samples: int = field(default=0, init=False, repr=False)
+    _records: int = field(default=0, init=False, repr=False)  # format 2: the records of the shard's blocks
+    _blocks: int = field(default=0, init=False, repr=False)  # format 2: blocks written, the next one's key
     _size: int = field(default=0, init=False, repr=False)
     _old_manifest_removed: bool = field(default=False, init=False, repr=False)
-    # Samples held back for the shuffle: each one's tar bytes (``encode_sample``), their total size, and
-    # windows written so far.
-    _window: list[bytes] = field(default_factory=list, init=False, repr=False)
+    # Samples held back for the shuffle: each one's tar bytes (``encode_sample``; format 2: each ``Record``),
+    # their total size, and windows written so far.
+    _window: list = field(default_factory=list, init=False, repr=False)
     _window_size: int = field(default=0, init=False, repr=False)
     _windows: int = field(default=0, init=False, repr=False)
     # Finished shards still being published, oldest first, and the threads that publish them.
@@ -139,15 +162,39 @@ class ShardWriter:
 
     @property
     def samples(self) -> int:
-        return sum(s.samples for s in self.shards) + self._samples + len(self._window)
+        """Samples written so far (format 2: records)."""
+        held = self._records if self.block_records else self._samples
+        return sum(s.samples for s in self.shards) + held + len(self._window)
 
     def write(self, key: str, text: str, meta: dict, extra: dict[str, bytes] | None = None) -> None:
         """One sample; ``extra`` maps further member extensions to their bytes (``ids``: pre-tokenized)."""
         self.write_encoded([encode_sample(key, text, meta, extra)])
 
+    def write_records(self, records: list[Record]) -> None:
+        """Format 2: records in order (an article's: a call per article). A window is cut into blocks right
+        after the record that brings it to ``shuffle_window`` bytes (its text's length and ``RECORD_OVERHEAD``)."""
+        if not self.block_records:
+            raise TypeError("write_records writes format 2 blocks: make the writer with block_records > 0")
+        for record in records:
+            self._window.append(record)
+            self._window_size += len(record.text) + RECORD_OVERHEAD
+            if self.shuffle_window:
+                if self._window_size >= self.shuffle_window:
+                    self._write_window()
+            elif len(self._window) >= self.block_records:
+                self._write_window()
+
+    def write_block(self, records: list[Record]) -> None:
+        """Format 2: one block of exactly these records, after whatever the window holds."""
+        if self._window:
+            self._write_window()
+        self._append_blocks([records])
+
     def write_encoded(self, samples: list[bytes]) -> None:
         """Samples as ``encode_sample`` returns them, in order (an article's: a call per article, not per
         sample). A window is written out right after the sample that brings it to ``shuffle_window`` bytes."""
+        if self.block_records:
+            raise TypeError("a format 2 writer (block_records > 0) takes records: write_records")
         if not self.shuffle_window:
             self._append(samples)
             return
@@ -165,15 +212,32 @@ class ShardWriter:
     def _write_window(self) -> None:
         # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
         # The permutation depends on the seed and the number of samples alone, not on what the list holds.
-        random.Random(f"{self.seed}/{os.path.basename(self.url.rstrip('/'))}/{self._windows}").shuffle(self._window)
-        self._append(self._window)
+        if self.shuffle_window:
+            random.Random(f"{self.seed}/{os.path.basename(self.url.rstrip('/'))}/{self._windows}").shuffle(self._window)
+        if self.block_records:
+            self._append_blocks([self._window[i:i + self.block_records]
+                                 for i in range(0, len(self._window), self.block_records)])
+        else:
+            self._append(self._window)
         self._window, self._window_size, self._windows = [], 0, self._windows + 1
 
-    def _append(self, samples: list[bytes]) -> None:
+    def _append_blocks(self, blocks: list[list[Record]]) -> None:
+        encoded = []
+        for records in blocks:
+            key = f"{self._blocks:09d}"
+            try:
+                encoded.append(encode_members(key, block_members(records)))
+            except ValueError as err:
+                raise ValueError(f"{self.url}: block {key}: {err}") from None
+            self._blocks += 1
+        self._append(encoded, [len(records) for records in blocks])
+
+    def _append(self, samples: list[bytes], records: list[int] | None = None) -> None:
         """Write ``samples`` in order. A shard is finished before a sample that would take it past
         ``max_bytes`` with the 1 KiB end-of-archive marker and the padding to a whole tar record; a new
         shard takes its first sample whatever its size. The samples that fit are found by bisecting their
-        running sizes and written in runs: a window holds ~10^5 samples, too many to handle one by one."""
+        running sizes and written in runs: a window holds ~10^5 samples, too many to handle one by one.
+        ``records``: format 2, the records of each sample (a block)."""
         room = self.max_bytes - 1024 - tarfile.RECORDSIZE
         ends = list(itertools.accumulate(map(len, samples)))  # bytes up to and including each sample
         done = 0
@@ -184,6 +248,8 @@ class ShardWriter:
                 self._path = storage.staging_path(self._shard_url(), self.tmp_dir)
                 try:
                     self._tar, self._sha = open(self._path, "wb"), hashlib.sha256()
+                    # wbits 31: a gzip stream, its header without a file name or a time
+                    self._gzip = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31) if self.compress else None
                 except OSError as err:
                     self._fail(err)
                 fit = max(fit, 1)
@@ -193,6 +259,8 @@ class ShardWriter:
             for start in range(done, done + fit, _SAMPLES_PER_WRITE):
                 self._write(b"".join(samples[start:min(start + _SAMPLES_PER_WRITE, done + fit)]))
             self._samples += fit
+            if records is not None:
+                self._records += sum(records[done:done + fit])
             self._size += ends[done + fit - 1] - before
             done += fit
 
@@ -206,9 +274,11 @@ class ShardWriter:
         self._wait_published()
 
     def _shard_url(self) -> str:
-        return storage.join(self.url, f"shard-{len(self.shards):06d}.tar")
+        return storage.join(self.url, f"shard-{len(self.shards):06d}.tar{'.gz' * self.compress}")
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes, last: bool = False) -> None:
+        if self._gzip is not None:
+            data = self._gzip.compress(data) + (self._gzip.flush() if last else b"")
         try:
             self._tar.write(data)
         except OSError as err:
@@ -222,7 +292,7 @@ class ShardWriter:
                 self._tar.close()
         storage.discard_staged(self._path)
         self._tar = self._sha = None
-        self._samples = self._size = 0
+        self._samples = self._records = self._size = 0
         where = "" if storage.is_local(self.url) else \
             f" (shards are built in {self.tmp_dir} before the upload: set TMPDIR to a disk with room)"
         raise StorageError(f"{self._shard_url()}: writing failed: {err.strerror or err}{where}") from None
@@ -230,16 +300,17 @@ class ShardWriter:
     def _finish(self) -> None:
         # End of archive as tarfile writes it: two zero blocks, then zeros up to a whole record.
         self._size += 1024
-        self._write(bytes(1024 + -self._size % tarfile.RECORDSIZE))
+        self._write(bytes(1024 + -self._size % tarfile.RECORDSIZE), last=True)
         try:
             self._tar.close()
         except OSError as err:
             self._fail(err)
         dest, staged = self._shard_url(), self._path
-        info = ShardInfo(name=dest.rsplit("/", 1)[-1], samples=self._samples, bytes=os.path.getsize(staged),
-                         sha256=self._sha.hexdigest())
+        name, size, sha256 = dest.rsplit("/", 1)[-1], os.path.getsize(staged), self._sha.hexdigest()
+        info = (ShardInfo(name, self._records, size, sha256, blocks=self._samples) if self.block_records
+                else ShardInfo(name, self._samples, size, sha256))
         self.shards.append(info)
-        self._tar, self._sha, self._samples, self._size = None, None, 0, 0
+        self._tar, self._sha, self._samples, self._records, self._size = None, None, 0, 0, 0
         if self.previous.get(info.name) == info.sha256 and storage.exists(dest):
             self.unchanged += 1
             storage.discard_staged(staged)
@@ -293,8 +364,9 @@ class ShardWriter:
     def write_manifest(self, extra: dict) -> str:
         """Write ``manifest.json`` (after every shard is published: ``close`` first) and return its URL."""
         self._wait_published()
-        manifest = {"format": FORMAT, "stream": os.path.basename(self.url.rstrip("/")),
-                    "shards": [asdict(s) for s in self.shards], "samples": self.samples, **extra}
+        shards = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.shards]
+        manifest = {"format": FORMAT_V2 if self.block_records else FORMAT, "stream": os.path.basename(self.url.rstrip("/")),
+                    "shards": shards, "samples": self.samples, **extra}
         url = storage.join(self.url, MANIFEST)
         storage.write_json(url, manifest)
         # Shards of an earlier, bigger run that the new manifest no longer lists.

@@ -1,0 +1,135 @@
+"""Shard format 2 (``clsys-shards/2``): a tar sample is a *block* of many records (sentences, passages).
+
+Format 1 stored each sentence as a sample of its own: two tar members, ~2 KiB of headers and padding around
+~140 bytes of text (15× the text). A block stores up to ``ShardWriter.block_records`` records in three
+members, still a plain WebDataset sample that any tar reader opens:
+
+- ``KEY.txt``: the records' texts, one per line (UTF-8). A text never holds a line feed: the writer refuses one.
+- ``KEY.json``: ``{"records": N, "constant": {field: value}, "columns": {field: [N values]}}``: a record's
+  metadata is every ``constant`` field plus its own value of every column (a field equal in all N records is
+  stored once); a pre-tokenized block adds ``"ids_lengths": [N counts]``.
+- ``KEY.ids`` (pre-tokenized only): every record's token ids, concatenated, as raw little-endian int32.
+
+Block keys are the writer's block numbers (``000000042``); record ``i`` of block ``KEY`` is ``KEY/i`` to the
+loader, which splits blocks into records before its shuffle buffer, so every guarantee counted in samples
+(plans, exact and elastic resume, batch diversity) is counted in records. A format 2 manifest lists each
+shard's ``samples`` (records) and ``blocks`` (tar samples).
+"""
+from __future__ import annotations
+
+import array
+import json
+import sys
+from typing import Any, NamedTuple
+
+FORMAT_V2 = "clsys-shards/2"
+assert array.array("i").itemsize == 4, "token ids are stored as int32"
+RECORD_OVERHEAD = 16  # bytes a record adds to its block besides its text (line feed, metadata), roughly:
+# what the writer's shuffle window counts a record as, with its text's length
+
+
+class Record(NamedTuple):
+    """One record of a block: its text, its metadata (the same fields in every record of a block) and, in a
+    pre-tokenized stream, its token ids."""
+
+    text: str
+    meta: dict[str, Any]
+    ids: list[int] | None = None
+
+
+class BlockError(ValueError):
+    """A block's members disagree (counts, columns, ids): the block cannot be split into records."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b  # JSON's 1 and true are equal in Python, not in a shard
+
+
+def block_members(records: list[Record]) -> dict[str, bytes]:
+    """A block's members (extension → data) for ``encode_members``; ``ValueError`` names the record (its
+    position in the block) that a block cannot hold."""
+    if not records:
+        raise ValueError("a block holds at least one record")
+    fields = records[0].meta.keys()
+    for i, record in enumerate(records):
+        if "\n" in record.text:
+            raise ValueError(f"record {i} of the block: its text holds a line feed (a block's txt has one text "
+                             f"per line): {record.text[:60]!r}")
+        if record.meta.keys() != fields:
+            raise ValueError(f"record {i} of the block: metadata fields {sorted(record.meta)}, the block's first "
+                             f"record has {sorted(fields)} (a block's records share their fields)")
+        if (record.ids is None) != (records[0].ids is None):
+            raise ValueError(f"record {i} of the block: token ids on some records of a block and not on others")
+    constant, columns = {}, {}
+    for name in fields:
+        first = records[0].meta[name]
+        if all(_same(r.meta[name], first) for r in records):
+            constant[name] = first
+        else:
+            columns[name] = [r.meta[name] for r in records]
+    meta: dict[str, Any] = {"records": len(records), "constant": constant, "columns": columns}
+    members = {"txt": "\n".join(r.text for r in records).encode()}
+    if records[0].ids is not None:
+        meta["ids_lengths"] = [len(r.ids) for r in records]
+        ids = array.array("i", [i for r in records for i in r.ids])
+        if sys.byteorder == "big":
+            ids.byteswap()
+        members["ids"] = ids.tobytes()
+    members["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
+    return members
+
+
+def record_count(meta: Any) -> int:
+    """The records a block's json says it holds; ``BlockError`` when it is not a block's json."""
+    count = meta.get("records") if isinstance(meta, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise BlockError("its json is not a block's: 'records' must be a whole number >= 1")
+    return count
+
+
+def split_block(key: str, text: str, meta: Any, ids: bytes | None) -> list[dict[str, Any]]:
+    """The records of block ``key`` (its decoded txt and json, its ids member's bytes or None) as the loader's
+    samples: ``{"__key__": "KEY/i", "txt", "json"[, "ids"]}``. ``BlockError`` says what disagrees."""
+    count = record_count(meta)
+    constant, columns = meta.get("constant"), meta.get("columns")
+    if not isinstance(constant, dict) or not isinstance(columns, dict):
+        raise BlockError("its json needs 'constant' and 'columns' objects")
+    for name, column in columns.items():
+        if not isinstance(column, list) or len(column) != count:
+            raise BlockError(f"column '{name}' is not a list of {count} values, one per record")
+    texts = text.split("\n")
+    if len(texts) != count:
+        raise BlockError(f"its txt has {len(texts)} lines, its json says {count} records")
+    rows = _ids_rows(meta, ids, count)
+    records = []
+    for i, line in enumerate(texts):
+        record_meta = dict(constant)
+        for name, column in columns.items():
+            record_meta[name] = column[i]
+        record = {"__key__": f"{key}/{i}", "txt": line, "json": record_meta}
+        if rows is not None:
+            record["ids"] = rows[i]
+        records.append(record)
+    return records
+
+
+def _ids_rows(meta: dict, ids: bytes | None, count: int) -> list[list[int]] | None:
+    lengths = meta.get("ids_lengths")
+    if ids is None and lengths is None:
+        return None
+    if ids is None or lengths is None:
+        raise BlockError("an ids member needs 'ids_lengths' in the json, and 'ids_lengths' an ids member")
+    if (not isinstance(lengths, list) or len(lengths) != count
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)):
+        raise BlockError(f"'ids_lengths' is not a list of {count} whole numbers >= 0")
+    if len(ids) != 4 * sum(lengths):
+        raise BlockError(f"its ids member holds {len(ids)} bytes, 'ids_lengths' says {sum(lengths)} int32 ids")
+    values = array.array("i")
+    values.frombytes(ids)
+    if sys.byteorder == "big":
+        values.byteswap()
+    rows, start = [], 0
+    for n in lengths:
+        rows.append(values[start:start + n].tolist())
+        start += n
+    return rows
