@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
         cfg = load_config(None, ["objective.name=simcse", *OBJECTIVE_KEYS[objective_kind], f"model.name={tiny}",
                                  "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", f"model.dropout={dropout}",
                                  f"cluster.num_workers={world}", f"train.batch_size={12 * grad_accum}",
-                                 f"train.grad_accum={grad_accum}", f"train.zero_stage={zero}",
+                                 f"train.grad_accum={grad_accum}", f"train.zero_stage={zero}", "train.precision=fp32",
                                  f"objective.grad_cache.chunk_size={CHUNK if way == 'grad_cache' else 0}"])
         torch.manual_seed(0)
         objective = OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))

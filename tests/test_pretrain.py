@@ -428,11 +428,15 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
         if name.endswith("key.bias") or moved == 0:  # a key bias shifts every logit of a query alike: no gradient
             continue
         ratios.append(((exported[name] - weight).norm() / moved).item())
-    # Measured: max 1.9e-3 (Adam's step divides tiny gradient differences by tiny second moments), median 2e-4;
-    # without the all-reduce in the gather's backward (each rank's candidates get the gradient of its own
-    # anchors only) max 0.22, median 0.04.
+    # Measured: median 2e-4, max 1.9e-3 on format 1 shards with seed 42, but 0.021 with seed 7 and 0.11 on format 2
+    # shards (embeddings.LayerNorm.weight, the one tensor past 5e-3): Adam's step divides tiny gradient
+    # differences by tiny second moments, so a weight whose gradient is near zero moves by ±lr on rounding alone,
+    # and which one does depends on the batches. Without the all-reduce in the gather's backward (each rank's
+    # candidates get the gradient of its own anchors only) max 0.22, median 0.04: the median and the 90th
+    # percentile tell the two apart whatever the batches.
     assert len(ratios) > 20
-    assert max(ratios) < 1e-2 and statistics.median(ratios) < 1e-3
+    ratios.sort()
+    assert ratios[int(0.9 * len(ratios))] < 1e-2 and statistics.median(ratios) < 1e-3
 
 
 @pytest.mark.usefixtures("shared_ray")
