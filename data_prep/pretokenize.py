@@ -2,7 +2,7 @@
 
 Every sample of the input stream (``txt`` + ``json``) is written again, same key and members, plus an
 ``ids`` member: its ``txt`` tokenized without special tokens and cut at ``--max-tokens``, as raw
-little-endian int32 (``clsys.shards.reader.encode_ids``). A format 2 stream keeps its blocks: each block is
+little-endian int32 (``clsys.shards.blocks.encode_ids``). A format 2 stream keeps its blocks: each block is
 written again with its records' ids (``clsys.shards.blocks``). Each input shard becomes one output
 shard, so the shard layout, and with it every training epoch's plan, is the input's. The manifest
 records the tokenizer's name and fingerprint (``clsys.data.pretokenized.tokenizer_fingerprint``):
@@ -20,7 +20,7 @@ import time
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from clsys.shards.blocks import FORMAT_V2, Record
+from clsys.shards.blocks import FORMAT_V2, Record, encode_ids
 from clsys.shards.manifest import MANIFEST, previous_shas, read_manifest
 from clsys.shards.writer import ShardWriter
 
@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``tokenize``; returns the exit code (0 ok, 2 unusable input or tokenizer, bad data or storage error)."""
     # Imported here, not at module level: torch and transformers would add seconds to every data_prep command.
     from clsys.data.pretokenized import tokenizer_fingerprint
-    from clsys.shards.reader import COMPRESSED, ShardError, encode_ids, load_shards, read_shard
+    from clsys.shards.reader import COMPRESSED, ShardError, load_shards, read_shard
     from clsys.model.encoder import load_tokenizer
 
     start = time.time()

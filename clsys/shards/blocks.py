@@ -17,15 +17,24 @@ shard's ``samples`` (records) and ``blocks`` (tar samples).
 """
 from __future__ import annotations
 
-import array
 import json
-import sys
+import struct
 from typing import Any, NamedTuple
 
 FORMAT_V2 = "clsys-shards/2"
-assert array.array("i").itemsize == 4, "token ids are stored as int32"
 RECORD_OVERHEAD = 16  # bytes a record adds to its block besides its text (line feed, metadata), roughly:
 # what the writer's shuffle window counts a record as, with its text's length
+
+
+def encode_ids(ids: list[int]) -> bytes:
+    """Token ids as an ``ids`` member (either format): raw little-endian int32, whatever the machine's byte order."""
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def decode_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes is not a whole number of int32 ids")
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
 class Record(NamedTuple):
@@ -71,10 +80,7 @@ def block_members(records: list[Record]) -> dict[str, bytes]:
     members = {"txt": "\n".join(r.text for r in records).encode()}
     if records[0].ids is not None:
         meta["ids_lengths"] = [len(r.ids) for r in records]
-        ids = array.array("i", [i for r in records for i in r.ids])
-        if sys.byteorder == "big":
-            ids.byteswap()
-        members["ids"] = ids.tobytes()
+        members["ids"] = encode_ids([i for r in records for i in r.ids])
     members["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
     return members
 
@@ -124,12 +130,9 @@ def _ids_rows(meta: dict, ids: bytes | None, count: int) -> list[list[int]] | No
         raise BlockError(f"'ids_lengths' is not a list of {count} whole numbers >= 0")
     if len(ids) != 4 * sum(lengths):
         raise BlockError(f"its ids member holds {len(ids)} bytes, 'ids_lengths' says {sum(lengths)} int32 ids")
-    values = array.array("i")
-    values.frombytes(ids)
-    if sys.byteorder == "big":
-        values.byteswap()
+    values = decode_ids(ids)
     rows, start = [], 0
     for n in lengths:
-        rows.append(values[start:start + n].tolist())
+        rows.append(values[start:start + n])
         start += n
     return rows

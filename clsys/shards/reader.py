@@ -3,7 +3,7 @@
 A shard is read whole into memory (64 MiB with data_prep's default shard size); its size and
 sha256 are compared with the manifest and its tar structure is parsed before any sample is
 yielded, so no sample of a bad shard is ever used. Only ``txt``, ``json`` and ``ids`` (token ids of a
-pre-tokenized stream: raw little-endian int32, see ``encode_ids``) members are decoded, as UTF-8,
+pre-tokenized stream: raw little-endian int32, see ``clsys.shards.blocks.encode_ids``) members are decoded, as UTF-8,
 JSON and int32: nothing is ever unpickled.
 
 - A ``data_prep`` stream has no other member: a shard with one (a pickle, say) is bad (``unsafe``).
@@ -35,26 +35,14 @@ import gzip
 import hashlib
 import io
 import json
-import struct
 import tarfile
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from clsys import storage
-from clsys.shards.blocks import FORMAT_V2, BlockError, record_count, split_block
+from clsys.shards.blocks import FORMAT_V2, BlockError, decode_ids, record_count, split_block
 from clsys.shards.fields import fields_problem
 from clsys.shards.manifest import read_manifest, shard_url
-
-
-def encode_ids(ids: list[int]) -> bytes:
-    """Token ids as an ``ids`` member: raw little-endian int32, whatever the machine's byte order."""
-    return struct.pack(f"<{len(ids)}i", *ids)
-
-
-def decode_ids(data: bytes) -> list[int]:
-    if len(data) % 4:
-        raise ValueError(f"{len(data)} bytes is not a whole number of int32 ids")
-    return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
 SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
