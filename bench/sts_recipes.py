@@ -1,6 +1,7 @@
 """STS recipes side by side, several seeds each: clsys SimCSE and SG-OPT against sentence-transformers.
 
     python bench/sts_recipes.py [--steps 200] [--sg-steps 200] [--seeds 3] [--first-seed 42] [--out runs/bench]
+                                [--override KEY=VALUE ...] [--no-st]
 
 On all-MiniLM-L6-v2, STS-B test Spearman ×100 with CLS pooling, mean ± std over --seeds seeds (42, 43, ...
 by default):
@@ -16,7 +17,10 @@ by default):
   4. Korean (KR-BERT-SimCSE's setting): unsupervised SimCSE on the KorSTS train sentences, unlabeled,
      on multilingual-e5-small (rebuilt by bench/e5_model.py), KorSTS test before and after.
 Prints a table (mean ± std, every seed, s/step), then the SimCSE difference clsys minus
-sentence-transformers. Not part of the test suite.
+sentence-transformers. ``--override`` changes the clsys SimCSE runs one setting at a time (a variant:
+``cluster.num_workers=1``, ``train.precision=fp32``, ``model.packed=false``, …); the sentence-transformers arm
+follows the variant's configuration where it has the same setting (its batches, precision, optimizer), and
+``--no-st`` leaves it out. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -200,6 +204,9 @@ def main() -> None:
     parser.add_argument("--korean-steps", type=int, default=200,
                         help="Korean SimCSE steps on multilingual-e5-small (0: leave the Korean row out)")
     parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the clsys SimCSE runs (repeatable): the variant measured")
+    parser.add_argument("--no-st", action="store_true", help="leave the sentence-transformers arm out")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -213,7 +220,8 @@ def main() -> None:
     seeds = [args.first_seed + i for i in range(args.seeds)]
     arms: dict[str, list[tuple[float, float]]] = {}  # name -> (STS-B test CLS, s/step) per seed
 
-    recipes = [(SIMCSE_ARM, "quickstart", wiki, args.steps)] if args.steps else []
+    simcse_arm = f"{SIMCSE_ARM} {' '.join(args.override)}".strip()
+    recipes = [(simcse_arm, "quickstart", wiki, args.steps)] if args.steps else []
     if args.sg_steps:
         recipes.append(("clsys SG-OPT (sg_opt recipe, STS-B sentences)", "sg_opt", stsb, args.sg_steps))
     for name, recipe, data, steps in recipes:
@@ -221,11 +229,12 @@ def main() -> None:
             run_name = f"bench-{recipe}-{seed}"
             subprocess.run(["rm", "-rf", os.path.join(out, run_name)], check=True)
             overrides = [f"data.url={data}", f"train.name={run_name}", f"train.steps={steps}", f"train.seed={seed}",
-                         "train.log_sample_keys=true", "eval.sts_test=", f"train.run_root={out}"]
+                         "train.log_sample_keys=true", "eval.sts_test=", f"train.run_root={out}",
+                         *(args.override if recipe == "quickstart" else [])]
             run("-m", "clsys.pretrain", "--config", recipe, *overrides)
             run_dir = os.path.join(out, run_name)
             arms.setdefault(name, []).append((cls_spearman(os.path.join(run_dir, "export")), step_time(run_dir, skip=1)))
-            if recipe == "quickstart":
+            if recipe == "quickstart" and not args.no_st:
                 cfg = load_config(recipe, overrides)
                 batches = consumed_batches(run_dir, cfg.cluster.num_workers, cfg.micro_batch, steps)
                 st_dir = os.path.join(out, f"bench-st-{seed}")
@@ -243,10 +252,10 @@ def main() -> None:
         scores = [r[0] for r in results]
         print(f"{name:<56} {mean_std(scores):>14} {' '.join(f'{x:.2f}' for x in scores):>24} "
               f"{statistics.mean(r[1] for r in results):>7.2f}")
-    if args.steps:
+    if args.steps and not args.no_st:
         # Seed by seed the arms share their batches, so the per-seed difference is the paired measurement;
         # its standard error says how far apart two equal systems land over this many seeds.
-        differences = [a[0] - b[0] for a, b in zip(arms[SIMCSE_ARM], arms[ST_ARM])]
+        differences = [a[0] - b[0] for a, b in zip(arms[simcse_arm], arms[ST_ARM])]
         error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
         print(f"difference clsys_simcse_minus_sentence_transformers {statistics.mean(differences):+.2f} "
               f"(standard error {error:.2f}; per seed {' '.join(f'{d:+.2f}' for d in differences)})")

@@ -66,7 +66,7 @@ def check_data(cfg: Config) -> str:
     """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
     from clsys.data.pretokenized import check_stream_tokenizer
     from clsys.shards.reader import load_shards
-    from clsys.data.streaming import plan_epoch
+    from clsys.data.epoch_layout import plan_epoch
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
     from clsys.shards.manifest import read_manifest
@@ -194,7 +194,7 @@ def run_css_lm(cfg: Config, repeats: int) -> int:
 
     from clsys.data.corpus import resolve_corpus_stream
     from clsys.shards.reader import load_shards
-    from clsys.data.streaming import plan_epoch
+    from clsys.data.epoch_layout import plan_epoch
     from clsys.engine.css_pipeline import RESULT, css_lm_worker, load_task
 
     try:

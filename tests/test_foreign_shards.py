@@ -18,7 +18,8 @@ import webdataset as wds
 
 from clsys import storage
 from clsys.shards.reader import ShardError, load_shards, read_shard
-from clsys.data.streaming import ShardLoader, plan_epoch
+from clsys.data.epoch_layout import plan_epoch
+from clsys.data.streaming import ShardLoader
 from clsys.storage import StorageError
 from data_prep.__main__ import main as data_prep
 from clsys.shards.manifest import previous_shas, read_manifest

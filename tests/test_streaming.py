@@ -19,7 +19,8 @@ import torch
 
 from clsys import storage
 from clsys.shards.reader import ShardError, load_shards, read_shard
-from clsys.data.streaming import ShardLoader, plan_epoch, round_robin_position, text_lengths
+from clsys.data.epoch_layout import plan_epoch, round_robin_position
+from clsys.data.streaming import ShardLoader, text_lengths
 from clsys.shards.writer import ShardWriter
 
 

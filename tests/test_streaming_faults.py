@@ -13,7 +13,8 @@ from test_streaming import SIZES, collate, consume, same_batches, write_stream
 
 from clsys import storage
 from clsys.shards.reader import ShardError, load_shards, read_shard
-from clsys.data.streaming import ShardLoader, plan_epoch
+from clsys.data.epoch_layout import plan_epoch
+from clsys.data.streaming import ShardLoader
 
 
 def shard_url(url: str, n: int) -> str:

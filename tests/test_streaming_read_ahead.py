@@ -1,11 +1,13 @@
 """The shard loader reads the next epoch ahead: its workers start at half-epoch, from a thread, so no step
-waits for them at the boundary or while they start. Partitioning, resume and safety: test_streaming.py."""
+waits for them at the boundary or while they start, and they prefetch ~2 s of steps. Partitioning, resume and
+safety: test_streaming.py."""
 from __future__ import annotations
 
 import os
 import time
 
-from clsys.data.streaming import ShardLoader, plan_epoch
+from clsys.data.epoch_layout import plan_epoch
+from clsys.data.streaming import ShardLoader, prefetch_depth
 from test_streaming import SIZES, collate, take, write_stream
 
 
@@ -91,3 +93,35 @@ def test_starting_the_next_epochs_workers_does_not_hold_up_the_steps(tmp_path):
         waits.append(time.perf_counter() - start)
         time.sleep(0.02)
     assert max(waits) < 1.0, f"a step waited {max(waits):.1f} s for the next epoch's workers to start"
+
+
+def test_the_next_epochs_prefetch_depth_follows_the_step_time(tmp_path):
+    """Each loader worker keeps ~2 s of steps ready (at least the DataLoader's 2): steps of 0.3 s with two
+    workers make the next epoch's workers prefetch ⌈2 / 0.3 / 2⌉ = 4 batches each, 8 in all, before the
+    boundary; the first epoch, with no step measured yet, 2 each."""
+    assert [prefetch_depth(None, 2), prefetch_depth(1.0, 2), prefetch_depth(0.05, 4), prefetch_depth(1e-4, 1)] == \
+        [2, 2, 10, 64]
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    log = tmp_path / "pids.txt"
+    loader = ShardLoader(url, 0, 1, 16, PidRecorder(str(log)), seed=3, loader_workers=2, shuffle_buffer=8)
+    per_epoch = plan_epoch(loader.shards, 0, 3, 1, 2, 16).batches_per_rank
+    batches = iter(loader)
+    next(batches)
+    time.sleep(1.0)  # the first epoch's workers fill their prefetch
+    made = log.read_text().split()
+    assert len(made) == 1 + 2 * 2  # the batch handed out, and 2 a worker ready
+    for _ in range(per_epoch // 2 + 1):  # the read-ahead starts at the request after the half-epoch's batch
+        time.sleep(0.3)
+        next(batches)
+    assert loader.state_dict()["epoch"] == 0
+    this_epoch = set(made)
+
+    def ahead() -> list[str]:
+        return [pid for pid in log.read_text().split() if pid not in this_epoch]
+
+    deadline = time.monotonic() + 60
+    while len(ahead()) < 2 * 4 and time.monotonic() < deadline:  # the next epoch's workers start and prefetch
+        time.sleep(0.1)
+    time.sleep(1.0)  # and make no more than that
+    assert len(set(ahead())) == 2 and len(ahead()) == 2 * 4, ahead()

@@ -1,16 +1,22 @@
-"""Texts -> padded encoder inputs at the loader's rate: exactly what the Hugging Face tokenizer call
-``tokenizer(texts, padding=True, truncation=True, max_length=L, return_tensors="pt")`` returns, built faster.
+"""Texts (or their ids) -> padded encoder inputs at the loader's rate: exactly what the Hugging Face tokenizer
+call ``tokenizer(texts, padding=True, truncation=True, max_length=L, return_tensors="pt")`` returns, built faster.
 
 The HF call reconfigures the tokenizer's shared Rust backend, runs ``encode_batch`` (which also computes
-character offsets, unused here) and copies every token through Python lists into ``torch.tensor``. Here a
-copy of the backend, configured once as the call configures it, runs ``encode_batch_fast`` (no offsets), and
-each key's rows become one numpy array. A tokenizer without a Rust backend (a slow, pure-Python one), or
-one whose class adds steps to the HF call (LayoutLM, LUKE, mBART's language modes, …), keeps the HF call.
+character offsets, unused here), frames, pads, and copies every token of every key through Python lists into
+``torch.tensor``. Here a copy of the backend, configured once, runs ``encode_batch_fast`` (no offsets) for the
+texts' own tokens, already cut to what truncation keeps, and ``frame_and_pad`` does the rest in numpy: the
+tokenizer's special tokens around each row (``Framing``, read off its own output), its padding side and ids,
+token types and attention mask, all in [batch, width] arrays without a Python step per token. Pre-tokenized
+ids (``data_prep tokenize``) take the same path from their second half. A tokenizer without a Rust backend (a
+slow, pure-Python one), or one whose class adds steps to the HF call (LayoutLM, LUKE, mBART's language modes,
+…), keeps the HF call.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +24,40 @@ import torch
 # The HF methods between ``tokenizer(texts, ...)`` and the backend's ``encode_batch``, as of transformers 5.
 _CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
 # The backend Encoding's attribute behind each key of the HF call's output.
-_ENCODING_FIELDS = {"input_ids": "ids", "token_type_ids": "type_ids", "attention_mask": "attention_mask"}
+_PROBE = "clsys probe"  # any text that tokenizes to at least one token
+
+
+@dataclass(frozen=True)
+class Framing:
+    """What a tokenizer puts around one text's tokens, read off its own output for a probe text, so BERT's
+    [CLS] … [SEP], a SentencePiece template or <s> … </s> are all mirrored exactly."""
+
+    prefix: list[int]
+    suffix: list[int]
+    types: tuple[list[int], int, list[int]]  # token types: the prefix's, the text's, the suffix's
+
+    @classmethod
+    def of(cls, tokenizer) -> Framing:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        saved = (backend.truncation, backend.padding) if backend is not None else None
+        framed = tokenizer(_PROBE, return_token_type_ids=True)
+        content = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+        if saved is not None:  # the HF calls reset the shared backend's truncation and padding: as they were
+            truncation, padding = saved
+            backend.no_truncation()
+            backend.no_padding()
+            if truncation is not None:
+                backend.enable_truncation(**truncation)
+            if padding is not None:
+                backend.enable_padding(**padding)
+        ids = framed["input_ids"]
+        start = next((i for i in range(len(ids) - len(content) + 1) if ids[i:i + len(content)] == content), None)
+        if start is None:
+            raise ValueError(f"{type(tokenizer).__name__}: its output for {_PROBE!r} does not contain the tokens "
+                             "of the text without special tokens; cannot frame a text's own tokens")
+        end = start + len(content)
+        types = framed["token_type_ids"]
+        return cls(ids[:start], ids[end:], (types[:start], types[start], types[end:]))
 
 
 def _call_is_the_backends(tokenizer) -> bool:
@@ -51,18 +90,30 @@ class BatchTokenizer:
                                                ("attention_mask", "attention_mask" in names)) if returned)
 
     @functools.cached_property
+    def framing(self) -> Framing:
+        return Framing.of(self.tokenizer)
+
+    @functools.cached_property
+    def keep(self) -> int | None:
+        """How many of a text's own tokens truncation=True keeps; None below the special tokens' count, where
+        the HF call leaves rows whole."""
+        keep = self.max_length - len(self.framing.prefix) - len(self.framing.suffix)
+        return keep if keep >= 0 else None
+
+    @functools.cached_property
     def backend(self):
-        """The backend, copied and configured as the HF call configures its own; None where the HF call must do
-        the work. Built on first use, in the process that uses it."""
+        """The backend, copied and set to cut a text's own tokens as the HF call cuts them; None where the HF
+        call must do the work. Built on first use, in the process that uses it."""
         tokenizer = self.tokenizer
         if not _call_is_the_backends(tokenizer):
             return None
         backend = copy.deepcopy(tokenizer.backend_tokenizer)  # the tokenizer's own is left as it is
-        backend.enable_truncation(self.max_length, stride=0, strategy="longest_first",
-                                  direction=tokenizer.truncation_side)
-        backend.enable_padding(length=self.max_length if self.pad_to_max_length else None,
-                               direction=tokenizer.padding_side, pad_id=tokenizer.pad_token_id,
-                               pad_type_id=tokenizer.pad_token_type_id, pad_token=tokenizer.pad_token)
+        backend.no_padding()
+        if self.keep:  # else frame_and_pad cuts (to nothing) or nothing is cut
+            backend.enable_truncation(self.keep, stride=0, strategy="longest_first",
+                                      direction=tokenizer.truncation_side)
+        else:
+            backend.no_truncation()
         backend.encode_special_tokens = tokenizer.split_special_tokens
         return backend
 
@@ -71,12 +122,57 @@ class BatchTokenizer:
         # process builds its own copy from it, instead of unpickling both (~1 s each for XLM-R's 250k pieces).
         return {k: v for k, v in self.__dict__.items() if k != "backend"}
 
-    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, texts: list[str], copies: int = 1) -> dict[str, torch.Tensor]:
+        """The HF call's tensors for ``texts``, the batch repeated ``copies`` times (rows [0, B) the first)."""
         if self.backend is None:
-            return dict(self.tokenizer(texts, padding="max_length" if self.pad_to_max_length else True,
-                                       truncation=True, max_length=self.max_length, return_tensors="pt",
-                                       return_token_type_ids=self.token_type_ids))
-        encodings = self.backend.encode_batch_fast(texts)
-        # Padded, the rows have one length: each key is one [batch, length] array.
-        return {key: torch.from_numpy(np.array([getattr(e, _ENCODING_FIELDS[key]) for e in encodings], np.int64))
-                for key in self.keys}
+            batch = self.tokenizer(texts, padding="max_length" if self.pad_to_max_length else True, truncation=True,
+                                   max_length=self.max_length, return_tensors="pt",
+                                   return_token_type_ids=self.token_type_ids)
+            return {key: value.repeat(copies, 1) for key, value in batch.items()}
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+        return self.frame_and_pad([e.ids for e in encodings], copies)
+
+    def frame_and_pad(self, ids: list, copies: int = 1) -> dict[str, torch.Tensor]:
+        """The HF call's tensors for the texts whose own tokens (no special tokens; lists or int arrays, cut or
+        not) are ``ids``: cut as truncation=True cuts, framed, padded, in [batch, width] arrays filled through
+        masks."""
+        tokenizer, (prefix, suffix, types) = self.tokenizer, (self.framing.prefix, self.framing.suffix,
+                                                              self.framing.types)
+        keep = self.keep
+        if keep is not None and tokenizer.truncation_side == "left":
+            ids = [row[max(len(row) - keep, 0):] for row in ids]
+        elif keep is not None:
+            ids = [row[:keep] for row in ids]
+        text_lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        lengths = text_lengths + len(prefix) + len(suffix)
+        width = int(lengths.max(initial=0))
+        if self.pad_to_max_length:
+            # Rows pad up to max_length; one left longer (max_length below the special tokens' count) stays so,
+            # and rows of unequal lengths make no tensor: the HF call refuses them too.
+            if width > self.max_length and lengths.min() < width:
+                raise ValueError(f"rows of {lengths.min()} to {width} tokens do not pad to one length "
+                                 f"(max_length {self.max_length})")
+            width = max(width, self.max_length)
+        # Row i fills columns [start_i, end_i): flush left, or flush right when the tokenizer pads left.
+        starts = width - lengths if tokenizer.padding_side == "left" else np.zeros_like(lengths)
+        ends = starts + lengths
+        columns = np.arange(width)
+        real = (columns >= starts[:, None]) & (columns < ends[:, None])
+        text = (columns >= starts[:, None] + len(prefix)) & (columns < ends[:, None] - len(suffix))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(text_lengths.sum()))  # row-major
+        out = {"input_ids": lambda: _framed(text, starts, ends, tokenizer.pad_token_id, (prefix, flat, suffix)),
+               "token_type_ids": lambda: _framed(text, starts, ends, tokenizer.pad_token_type_id, types),
+               "attention_mask": lambda: real.astype(np.int64)}
+        return {key: torch.from_numpy(np.tile(out[key](), (copies, 1))) for key in self.keys}
+
+
+def _framed(text: np.ndarray, starts: np.ndarray, ends: np.ndarray, pad: int, values: tuple) -> np.ndarray:
+    """[batch, width] of ``pad`` but in each row's [start, end): ``values`` = (before, inside, after), ``before``
+    at its start, ``after`` at its end, ``inside`` where ``text`` is (one value, or every row's in turn)."""
+    before, inside, after = values
+    out = np.full(text.shape, pad, np.int64)
+    out[text] = inside
+    every_row = np.arange(len(starts))[:, None]
+    out[every_row, starts[:, None] + np.arange(len(before))] = before
+    out[every_row, ends[:, None] - len(after) + np.arange(len(after))] = after
+    return out

@@ -1,54 +1,84 @@
-"""A batch's tensors travel from a loader worker to the trainer as one buffer per dtype.
+"""A batch's tensors travel from a loader worker to the trainer as bytes, one buffer per dtype, inside the pickle.
 
 A DataLoader worker hands each tensor of a batch to the trainer through shared memory of its own: a segment
-made, its file descriptor passed over a socket, mapped on the other side. That costs ~0.4 ms of the worker's
-CPU per tensor, whatever its size: measured on this 2-core CPU, a worker yielding SimCSE's three [128, 32]
-tensors (ids, attention mask, token types) and nothing else delivered 564 batches/s, one tensor 1,382, and
-the loader's pre-tokenized path topped out near 25,000 sentences/s (batch 64) with a collate that alone
-runs at 380,000. So ``pack`` concatenates a batch's tensors of one dtype into one flat buffer, in the
-worker, and ``unpack`` makes them views of it again in the trainer: same values, dtypes, shapes and key
-order. The DataLoader's pinning thread pins the buffers, so the views are page-locked too.
+made and filled in the worker (~0.4 ms of its CPU per tensor, whatever its size), its file descriptor fetched
+by the trainer over a fresh authenticated socket connection to the worker (~1 ms per tensor of the
+trainer's time in ``next(batches)``, longer while the worker's tokenizing holds its interpreter lock).
+Measured on this 2-core CPU: a worker yielding SimCSE's three [128, 32] tensors delivered 564 batches/s, one
+tensor 1,382; one buffer per dtype through shared memory still left ~2 ms of every step waiting on the
+connection. A batch of token ids is small, and smaller still in the narrowest integer type that holds its
+values (a 30k vocabulary's ids with their masks and token types in int16: SimCSE at batch 256, max length 32,
+100 KB rather than 400 KB in int64), so copied through the worker's pipe inside the pickle it costs tens of
+µs. ``PackedBatch`` holds a batch's tensors of one dtype as one flat numpy byte array (numpy arrays pickle as
+their bytes, tensors as shared memory), integers narrowed, and the rest of the batch as it is; ``unpack``
+widens them again and makes the tensors views of one tensor per dtype in the trainer: same values, dtypes,
+shapes and key order. With ``pin_memory`` the DataLoader's pinning thread calls
+``PackedBatch.pin_memory``, which pins one buffer per dtype, so the views are page-locked too.
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import numpy
 import torch
 
-PACKED = "__packed_tensors__"
+
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def pack(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` with its top-level tensors replaced by one flat buffer per dtype and their layout."""
-    tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
-    if len(tensors) < 2:
-        return batch
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for key, tensor in tensors.items():
-        by_dtype.setdefault(tensor.dtype, []).append(key)
-    buffers, places = [], {}
-    for index, keys in enumerate(by_dtype.values()):
-        buffers.append(torch.cat([tensors[key].reshape(-1) for key in keys]))
-        offset = 0
-        for key in keys:
-            places[key] = (index, offset, tuple(tensors[key].shape))
-            offset += tensors[key].numel()
-    rest = {key: value for key, value in batch.items() if key not in tensors}
-    return {**rest, PACKED: (buffers, [(key, places.get(key)) for key in batch])}
+class PackedBatch:
+    """A collated batch in transit: ``buffers[i]`` the bytes of all its tensors of ``dtypes[i]``, back to back."""
+
+    def __init__(self, batch: dict[str, Any]):
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                by_dtype.setdefault(value.dtype, []).append(key)
+        self.dtypes = list(by_dtype)
+        self.wire_dtypes: list[torch.dtype] = []  # integers travel in the narrowest type that holds their range
+        self.buffers: list[numpy.ndarray] = []
+        places: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # key -> (buffer, offset, shape)
+        for index, keys in enumerate(by_dtype.values()):
+            flat = torch.cat([batch[key].detach().reshape(-1).cpu() for key in keys])
+            flat = flat.to(_narrowest(flat))
+            self.wire_dtypes.append(flat.dtype)
+            self.buffers.append(flat.view(torch.uint8).numpy())  # any dtype, bool and bfloat16 included, as bytes
+            offset = 0
+            for key in keys:
+                places[key] = (index, offset, tuple(batch[key].shape))
+                offset += batch[key].numel()
+        self.order = [(key, places.get(key)) for key in batch]
+        self.rest = {key: value for key, value in batch.items() if key not in places}
+
+    def unpack(self, pin: bool = False) -> dict[str, Any]:
+        """The batch it was made from, its tensors views of one tensor per dtype (page-locked with ``pin``)."""
+        flats = []
+        for dtype, wire, buffer in zip(self.dtypes, self.wire_dtypes, self.buffers):
+            flat = torch.from_numpy(buffer).view(wire).to(dtype)
+            flats.append(flat.pin_memory() if pin else flat)
+        out = {}
+        for key, place in self.order:
+            if place is None:
+                out[key] = self.rest[key]
+            else:
+                index, offset, shape = place
+                out[key] = flats[index][offset:offset + math.prod(shape)].view(shape)
+        return out
+
+    def pin_memory(self, device: Any = None) -> dict[str, Any]:
+        """What the DataLoader's pinning thread calls (``torch.utils.data._utils.pin_memory``)."""
+        return self.unpack(pin=True)
 
 
-def unpack(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch ``pack`` was given, its tensors views of the buffers, its keys in their order."""
-    if PACKED not in batch:
-        return batch
-    buffers, order = batch.pop(PACKED)
-    out = {}
-    for key, place in order:
-        if place is None:
-            out[key] = batch.pop(key)
-        else:
-            index, offset, shape = place
-            out[key] = buffers[index][offset:offset + math.prod(shape)].view(shape)
-    out.update(batch)  # what was added after packing (none today), last
-    return out
+def _narrowest(flat: torch.Tensor) -> torch.dtype:
+    """The smallest signed integer type that holds ``flat``'s values (an integer tensor), else its own dtype."""
+    if flat.dtype not in _SIGNED or flat.numel() == 0:
+        return flat.dtype
+    low, high = flat.min().item(), flat.max().item()
+    return next(d for d in _SIGNED if torch.iinfo(d).min <= low and high <= torch.iinfo(d).max)
+
+
+def unpack(batch: PackedBatch | dict[str, Any]) -> dict[str, Any]:
+    """A batch as collate made it; one the pinning thread has already unpacked is passed through."""
+    return batch.unpack() if isinstance(batch, PackedBatch) else batch

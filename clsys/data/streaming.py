@@ -1,13 +1,9 @@
 """Streaming WebDataset shards (file:// or s3://) into per-rank batches, deterministically and resumably.
 
-How an epoch is laid out (every rank computes the same plan from the manifest, no communication):
-  1. the shard list is shuffled with ``seed + epoch``;
-  2. shard i goes to slot i mod (ranks × loader_workers); slot s is loader worker s // ranks of rank
-     s mod ranks, so each rank gets whole shards and no shard is read twice;
-  3. each loader worker reads its shards as one sample *stream*: samples shuffled in a buffer seeded
-     with (seed, epoch, rank, worker), cut into micro-batches (a trailing partial batch is dropped);
-  4. every rank stops after the same number of batches: the minimum over ranks of what its
-     workers can produce. Equal counts are what keeps collectives from hanging at epoch end.
+Which shards each (rank, loader worker) reads in an epoch, and the position checkpoints store, are
+``clsys.data.epoch_layout``'s: each loader worker reads its shards as one sample *stream*, samples shuffled in a
+buffer seeded with (seed, epoch, rank, worker), cut into micro-batches (a trailing partial batch is dropped),
+and every rank stops after the same number of batches.
 
 Shards are read whole and checked before use by ``clsys.shards.reader`` (one shard per loader
 worker at a time, plus the decoded samples of the shuffle buffer). ``on_bad_sample`` says what bad
@@ -31,13 +27,7 @@ token counts in training, ``text_lengths`` by default), cuts it into K batches a
 an order seeded by (seed, epoch, segment, rank, worker, window). Collate pads each batch to its longest
 row, so batches of similar lengths carry less padding; the shuffle buffer still decides which samples
 meet in a window, and within it the sort, not chance, decides which share a batch (in-batch negatives
-are then of similar length). K is part of the geometry below.
-
-Position (``LoaderState``, plain ints, lists and dicts, stored in checkpoints): the epoch; its
-*segments*, one per geometry (ranks, loader workers, micro-batch, K) the epoch was read under, each with
-the batches every rank consumed in it; the shuffle buffer of the epoch's streams; and, for this rank
-in the current segment, the batches each loader worker handed out and whose turn is next
-(``DataLoader`` takes batches from its workers round-robin).
+are then of similar length). K is part of the geometry (``clsys.data.epoch_layout``).
 
 Exact resume (same geometry): each worker replays its stream and skips the batches it had handed
 out, and the workers are rotated so that the DataLoader's first worker is the one whose turn it was.
@@ -48,45 +38,51 @@ keep state (CLIR's pool of recent documents), so skipped batches are collated to
 resume tokenizes the skipped part of the epoch once. The DataLoader gets its own generator, so
 starting one never draws from the training process's RNG (dropout masks).
 
-Elastic resume (a state saved under another geometry): the same epoch continues. A stream of the
-epoch's first geometry is a fixed sample sequence, and the saved position says how much of each was
-consumed (``round_robin_position`` over the batches every rank consumed; with length grouping a
-window a worker had begun counts as consumed whole, so a resume mid-window leaves out at most K − 1
-of that worker's batches for the rest of the epoch rather than reading any sample twice). What is left of every
-stream, tails the equal-count rule would have dropped included, is concatenated in (rank, worker)
-order, N samples, and cut into B = ⌊N / (ranks × micro_batch)⌋ batches per new rank, dealt to its
-workers as evenly as possible in contiguous spans (a worker replays a stream's shuffle to reach its
-span). So no sample consumed before the checkpoint is read again in the epoch, and of the N only
-N − B × ranks × micro_batch < ranks × micro_batch go unread; those stay in the state, so a further
-change of geometry within the epoch deals them too. Later epochs use the new geometry's plan.
-Every new rank may be given any old rank's state: in ``error`` mode they agree on all the elastic
-resume reads. With ``skip`` it assumes that every old worker yielded its planned batches, so after
-data was skipped in that epoch a few samples may be read twice or not at all.
+A state saved under another geometry continues its epoch as ``clsys.data.epoch_layout`` deals it (elastic resume).
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import itertools
+import math
 import multiprocessing
 import os
 import random
+import statistics
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from clsys.data.batch_transport import pack, unpack
-from clsys.shards.reader import MAX_SHARD_BYTES, Shard, ShardError, load_shards, read_shard
+from clsys.data.batch_transport import PackedBatch, unpack
+from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
+                                     round_robin_position)
+from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
 _WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
 # What the forkserver imports once, so that each loader worker forked from it starts in a fraction of a second
 # ("__main__": the trainer's main module, which each worker would otherwise import again: under Ray, Ray's own).
 _FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streaming", "clsys.objectives"]
+
+
+# The batches in flight cover this long of training steps, so that a worker's stall (a shard fetched from object
+# storage: 64 MiB at ~100 MB/s is 0.6 s; a run of long texts) does not reach the step. Batches are small (token ids).
+PREFETCH_SECONDS = 2.0
+MAX_PREFETCH = 64  # batches per loader worker
+
+
+def prefetch_depth(step_seconds: float | None, workers: int) -> int:
+    """Batches each loader worker keeps ready (the DataLoader's ``prefetch_factor``) for steps of ``step_seconds``:
+    the DataLoader's default of 2 until a step time is measured, and never fewer."""
+    if not step_seconds:
+        return 2
+    return max(2, min(MAX_PREFETCH, math.ceil(PREFETCH_SECONDS / step_seconds / workers)))
 
 
 def _worker_start() -> multiprocessing.context.BaseContext:
@@ -97,162 +93,6 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     return context
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """Which shards each (rank, loader worker) reads in one epoch, and how many batches it yields."""
-
-    shards: list[list[list[Shard]]]  # [rank][worker] -> shards
-    micro_batch: int
-    batches_per_rank: int = 0
-
-    def worker_batches(self, rank: int) -> list[int]:
-        return [sum(s.samples for s in shards) // self.micro_batch for shards in self.shards[rank]]
-
-
-def plan_epoch(shards: list[Shard], epoch: int, seed: int, ranks: int, workers: int, micro_batch: int) -> EpochPlan:
-    slots = ranks * workers
-    if len(shards) < slots:
-        raise ValueError(f"too few shards: {len(shards)} shard(s) for {ranks} rank(s) × {workers} loader worker(s) "
-                         f"= {slots} readers; write smaller shards (data_prep --shard-size-mb) or use fewer workers")
-    order = list(shards)
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    table = [[[] for _ in range(workers)] for _ in range(ranks)]
-    for i, shard in enumerate(order):
-        slot = i % slots
-        table[slot % ranks][slot // ranks].append(shard)
-    per_rank = [sum(EpochPlan(table, micro_batch).worker_batches(r)) for r in range(ranks)]
-    if min(per_rank) == 0:
-        raise ValueError(f"a rank would get no batch of {micro_batch} samples in epoch {epoch}: "
-                         f"samples per rank {[sum(s.samples for w in t for s in w) for t in table]}")
-    return EpochPlan(table, micro_batch, min(per_rank))
-
-
-def round_robin_position(worker_batches: list[int], consumed: int) -> tuple[list[int], int]:
-    """After the DataLoader has handed out ``consumed`` batches: how many each worker produced, and
-    which worker is next in turn. DataLoader asks workers in turn and skips exhausted ones."""
-    produced, turn = [0] * len(worker_batches), 0
-    while consumed > 0:
-        if produced[turn] < worker_batches[turn]:
-            produced[turn] += 1
-            consumed -= 1
-        turn = (turn + 1) % len(worker_batches)
-    return produced, turn
-
-
-@dataclass
-class Segment:
-    """A stretch of an epoch read under one geometry."""
-
-    ranks: int
-    workers: int  # loader workers per rank
-    micro_batch: int
-    batches: int = 0  # batches every rank consumed in it
-    length_group: int = 0  # K > 0: each window of K batches was regrouped by length (0: read in order)
-
-    def geometry(self) -> tuple[int, int, int, int]:
-        return self.ranks, self.workers, self.micro_batch, self.length_group
-
-    def consumed_batches(self, produced: int, planned: int) -> int:
-        """How many of a worker's ``planned`` batches' samples are used up once it has handed out
-        ``produced`` batches: with length grouping, a window that has begun counts whole."""
-        window = max(self.length_group, 1)
-        return min(-(-produced // window) * window, planned)
-
-
-@dataclass
-class LoaderState:
-    """Where one rank stands; ``asdict`` of it is plain ints and lists, as checkpoints store it."""
-
-    epoch: int
-    shuffle_buffer: int  # the epoch's streams are shuffled with it, whatever the loader is given later
-    segments: list[Segment]  # the epoch so far, one per geometry; the last one is being read
-    rank: int
-    produced: list[int]  # batches each loader worker of this rank handed out in the last segment
-    next_worker: int = 0  # whose turn it is
-
-    @classmethod
-    def from_dict(cls, state: dict) -> LoaderState:
-        return cls(**{**state, "segments": [Segment(**s) for s in state["segments"]]})
-
-
-@dataclass(frozen=True)
-class Span:
-    """Samples [start, stop) of the stream of (rank, worker) in the epoch's first geometry."""
-
-    rank: int
-    worker: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """What one loader worker reads in a segment: spans of streams, cut into ``batches`` batches
-    (samples beyond them are left for a later change of geometry)."""
-
-    spans: list[Span]
-    batches: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    plan: EpochPlan  # the epoch's first geometry: the shards of every stream
-    pieces: list[list[Piece]]  # [rank][worker] in the current geometry
-
-    @property
-    def batches_per_rank(self) -> int:
-        return min(sum(p.batches for p in row) for row in self.pieces)
-
-
-def _split(spans: list[Span], n: int) -> tuple[list[Span], list[Span]]:
-    """The first ``n`` samples of a list of spans, and the rest."""
-    head, rest = [], list(spans)
-    while n > 0 and rest:
-        span = rest.pop(0)
-        cut = min(span.stop, span.start + n)
-        head.append(replace(span, stop=cut))
-        if cut < span.stop:
-            rest.insert(0, replace(span, start=cut))
-        n -= cut - span.start
-    return head, rest
-
-
-def _remap(pieces: list[list[Piece]], old: Segment, new: Segment) -> list[list[Piece]]:
-    """Deal what the ranks of ``old`` left unread, after ``old.batches`` batches each, to the ranks and
-    workers of ``new``: equal batch counts per rank, contiguous spans per worker."""
-    rest: list[Span] = []
-    for row in pieces:
-        produced, _ = round_robin_position([p.batches for p in row], old.batches)
-        for piece, n in zip(row, produced):
-            rest += _split(piece.spans, old.consumed_batches(n, piece.batches) * old.micro_batch)[1]
-    per_rank = sum(s.stop - s.start for s in rest) // new.micro_batch // new.ranks
-    remapped = []
-    for _ in range(new.ranks):
-        row = []
-        for worker in range(new.workers):
-            batches = per_rank // new.workers + (worker < per_rank % new.workers)
-            spans, rest = _split(rest, batches * new.micro_batch)
-            row.append(Piece(spans, batches))
-        remapped.append(row)
-    # Fewer than ranks × micro_batch samples fit no batch: the last worker keeps them unread, so that
-    # another change of geometry in this epoch deals them again.
-    last = remapped[-1][-1]
-    remapped[-1][-1] = Piece(last.spans + rest, last.batches)
-    return remapped
-
-
-def epoch_layout(shards: list[Shard], epoch: int, seed: int, segments: list[Segment]) -> Layout:
-    """What each (rank, loader worker) reads in the last segment of an epoch: the first geometry's
-    plan, remapped at each change of geometry."""
-    first = segments[0]
-    plan = plan_epoch(shards, epoch, seed, first.ranks, first.workers, first.micro_batch)
-    pieces = [[Piece([Span(r, w, 0, sum(s.samples for s in plan.shards[r][w]))], n)
-               for w, n in enumerate(plan.worker_batches(r))] for r in range(first.ranks)]
-    for old, new in zip(segments, segments[1:]):
-        pieces = _remap(pieces, old, new)
-    return Layout(plan, pieces)
 
 
 def text_lengths(samples: list[dict]) -> list[int]:
@@ -352,7 +192,7 @@ class RankStream(IterableDataset):
             out = self.collate(batch)  # skipped batches too: collate may keep state
             if made >= skip:
                 out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), _WORKER: worker})
-                yield pack(out)  # its tensors as one buffer per dtype: each costs the IPC as much as a batch
+                yield PackedBatch(out)  # its tensors as bytes in the pickle: shared memory costs more
             skipped.clear()  # a skipped batch's faults were reported before the checkpoint
             made += 1
 
@@ -428,18 +268,21 @@ class ShardLoader:
         not at once: a run that ends early in an epoch (most tests) starts no workers it never uses. They are
         started from a thread: starting a worker blocks until it has unpickled the dataset (the collate's
         tokenizer), ~0.7 s a worker in a GPU trainer, measured as a 3 s stall of every step at half-epoch
-        when the training thread started them."""
+        when the training thread started them. The finished epoch's workers are stopped from a thread too. The
+        next epoch's workers keep ``prefetch_depth`` batches each ready, from this epoch's step time."""
         reader, ahead = SegmentReader(self, self.state), None
-        background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clsys-next-epoch")
+        background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
         try:
             while True:
                 for batch in reader:
                     yield batch
                     if ahead is None and reader.half_read:
-                        ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1))
-                reader.close()
+                        ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
+                                                  prefetch_depth(reader.step_seconds, self.workers))
+                background.submit(reader.close)  # 20-40 ms of joining workers: the first step waited on it
                 if ahead is None:  # an epoch resumed at its end
-                    ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1))
+                    ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
+                                              prefetch_depth(reader.step_seconds, self.workers))
                 reader, ahead = ahead.result(), None
                 self.state = reader.state
         finally:
@@ -453,10 +296,12 @@ class SegmentReader:
     """The rest of the current segment of one epoch, read by this rank's DataLoader workers; they start
     (and begin reading ahead) when the reader is made. Iterating updates ``state``, the loader's position."""
 
-    def __init__(self, loader: ShardLoader, state: LoaderState):
+    def __init__(self, loader: ShardLoader, state: LoaderState, prefetch: int = 2):
         self.state, self.rank = state, loader.rank
         self.layout = loader.layout(state)
         self.batches: Iterator[dict] | None = None
+        self.handed_out_at: float | None = None  # when the last batch went to the trainer
+        self.step_times: collections.deque[float] = collections.deque(maxlen=256)  # the recent intervals
         self.fresh = state.segments[-1].batches == 0
         if state.segments[-1].batches < self.layout.batches_per_rank:
             dataset = RankStream(self.layout, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
@@ -465,7 +310,13 @@ class SegmentReader:
             # process's torch RNG, and a resumed run would draw different dropout masks.
             self.batches = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
                                            generator=torch.Generator(), pin_memory=loader.pin_memory,
-                                           multiprocessing_context=_worker_start()))
+                                           prefetch_factor=prefetch, multiprocessing_context=_worker_start()))
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The trainer's time per batch (its step and its wait for the batch), the median of the recent ones: the
+        first steps' compilation and warm-up do not count. None before two batches."""
+        return statistics.median(self.step_times) if self.step_times else None
 
     @property
     def half_read(self) -> bool:
@@ -480,6 +331,10 @@ class SegmentReader:
             current.batches += 1
             state.produced[worker] += 1
             state.next_worker = (worker + 1) % len(state.produced)
+            now = time.monotonic()
+            if self.handed_out_at is not None:
+                self.step_times.append(now - self.handed_out_at)
+            self.handed_out_at = now
             yield batch
             if current.batches >= self.layout.batches_per_rank:
                 break
