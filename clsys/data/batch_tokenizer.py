@@ -23,7 +23,6 @@ import torch
 
 # The HF methods between ``tokenizer(texts, ...)`` and the backend's ``encode_batch``, as of transformers 5.
 _CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
-# The backend Encoding's attribute behind each key of the HF call's output.
 _PROBE = "clsys probe"  # any text that tokenizes to at least one token
 
 
@@ -136,9 +135,8 @@ class BatchTokenizer:
         """The HF call's tensors for the texts whose own tokens (no special tokens; lists or int arrays, cut or
         not) are ``ids``: cut as truncation=True cuts, framed, padded, in [batch, width] arrays filled through
         masks."""
-        tokenizer, (prefix, suffix, types) = self.tokenizer, (self.framing.prefix, self.framing.suffix,
-                                                              self.framing.types)
-        keep = self.keep
+        tokenizer, keep = self.tokenizer, self.keep
+        prefix, suffix, types = self.framing.prefix, self.framing.suffix, self.framing.types
         if keep is not None and tokenizer.truncation_side == "left":
             ids = [row[max(len(row) - keep, 0):] for row in ids]
         elif keep is not None:

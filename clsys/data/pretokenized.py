@@ -49,7 +49,6 @@ class SentenceBatcher:
     return_tensors="pt")``, built without a Python step per token."""
 
     def __init__(self, tokenizer, max_length: int):
-        self.tokenizer, self.max_length = tokenizer, max_length
         self.encode = BatchTokenizer(tokenizer, max_length)
 
     def __call__(self, samples: list[dict[str, Any]], copies: int = 1) -> dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Callable, Iterator
 
@@ -272,17 +272,20 @@ class ShardLoader:
         next epoch's workers keep ``prefetch_depth`` batches each ready, from this epoch's step time."""
         reader, ahead = SegmentReader(self, self.state), None
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
+
+        def read_ahead() -> Future:
+            return background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
+                                     prefetch_depth(reader.step_seconds, self.workers))
+
         try:
             while True:
                 for batch in reader:
                     yield batch
                     if ahead is None and reader.half_read:
-                        ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
-                                                  prefetch_depth(reader.step_seconds, self.workers))
+                        ahead = read_ahead()
                 background.submit(reader.close)  # 20-40 ms of joining workers: the first step waited on it
                 if ahead is None:  # an epoch resumed at its end
-                    ahead = background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
-                                              prefetch_depth(reader.step_seconds, self.workers))
+                    ahead = read_ahead()
                 reader, ahead = ahead.result(), None
                 self.state = reader.state
         finally:
