@@ -39,7 +39,7 @@ quickstart: install
 # counts, and the build passes (tests/test_docs_build.py).
 test: install-test
 	$(PY) -m mkdocs build --strict --site-dir site
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n 2 tests
 
 docs: install-test
 	$(PY) -m mkdocs build --strict --site-dir site

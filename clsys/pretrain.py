@@ -100,6 +100,11 @@ def init_ray(cfg: Config) -> None:
     # one waited Ray's whole default (30 s) for nothing.
     env["TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"] = str(cfg.cluster.group_shutdown_timeout_s)
     env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.cluster.health_check_timeout_s)  # read there too
+    # Ray Train's preemption watcher is one more actor process per worker-group start (with a core-worker error
+    # line about its arguments on every start), and it only records a node's drain notice for a training function
+    # to ask about. clsys does not ask: a drained node's workers die with it and the run restarts from its last
+    # checkpoint, and a notice to the driver (SIGUSR1/SIGTERM) checkpoints at once (docs/operations/fault-tolerance.md).
+    env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
     # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}

@@ -20,6 +20,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from clsys.pretrain import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
 
 
+# The files of the ``slow`` tests (Ray clusters, DeepSpeed runs): two thirds of the suite's time, during which
+# ~30% of two cores sit idle while the tests wait on processes. `make test` runs them, in order, in one
+# pytest-xdist worker, while the other worker takes the many short tests beside them.
+SLOW_FILES = {"tests/test_clir_pipeline.py", "tests/test_css_pipeline.py", "tests/test_fault_tolerance.py",
+              "tests/test_local_cluster.py", "tests/test_pretrain.py", "tests/test_slurm.py"}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.get_closest_marker("slow") and item.nodeid.partition("::")[0] not in SLOW_FILES:
+        raise pytest.UsageError(f"{item.nodeid} is marked slow: add its file to SLOW_FILES in tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's scheduling by scope, one scope holding every test of SLOW_FILES. Scopes go out largest
+    first, so that one starts at once; a file's short tests ride along (a few seconds)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlowFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slow" if nodeid.partition("::")[0] in SLOW_FILES else nodeid
+
+    return SlowFilesTogether(config, log)
+
+
 @contextlib.contextmanager
 def environ_set(env: dict[str, str]):
     """This process's environment with ``env`` set (so also every subprocess a test starts), restored after."""

@@ -431,12 +431,14 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
     # Measured: median 2e-4, max 1.9e-3 on format 1 shards with seed 42, but 0.021 with seed 7 and 0.11 on format 2
     # shards (embeddings.LayerNorm.weight, the one tensor past 5e-3): Adam's step divides tiny gradient
     # differences by tiny second moments, so a weight whose gradient is near zero moves by ±lr on rounding alone,
-    # and which one does depends on the batches. Without the all-reduce in the gather's backward (each rank's
+    # and which one does depends on the batches. The rounding depends on the CPU's kernels too: on format 2 shards
+    # median 2e-4 on an AMD EPYC with AVX512-BF16, 1.2e-3 (90th percentile 3.5e-3) on an Intel Xeon without it,
+    # whatever ran before in the process. Without the all-reduce in the gather's backward (each rank's
     # candidates get the gradient of its own anchors only) max 0.22, median 0.04: the median and the 90th
-    # percentile tell the two apart whatever the batches.
+    # percentile tell the two apart whatever the batches and the CPU.
     assert len(ratios) > 20
     ratios.sort()
-    assert ratios[int(0.9 * len(ratios))] < 1e-2 and statistics.median(ratios) < 1e-3
+    assert ratios[int(0.9 * len(ratios))] < 1e-2 and statistics.median(ratios) < 5e-3
 
 
 @pytest.mark.usefixtures("shared_ray")

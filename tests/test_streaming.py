@@ -456,3 +456,17 @@ def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
     assert list(objective.parameters())
     data_side = pickle.loads(pickle.dumps(objective.data_side()))
     assert not list(data_side.parameters()) and not list(data_side.buffers())
+
+
+def test_loader_workers_import_no_model_code():
+    """What the loader workers' forkserver imports (``_FORKSERVER_PRELOAD``) holds every objective's collate but
+    none of transformers' modelling code: those imports (2 s of CPU a rank) came before every run's first batch."""
+    import subprocess
+    import sys
+
+    preload = "import sys, importlib, clsys.data.streaming as s\n" \
+              "for name in s._FORKSERVER_PRELOAD[1:]: importlib.import_module(name)\n" \
+              "print(sorted(m for m in sys.modules if '.modeling_' in m or m.endswith('.modeling')))"
+    proc = subprocess.run([sys.executable, "-c", preload], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

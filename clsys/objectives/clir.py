@@ -52,7 +52,6 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import POOLINGS, build_bert_pretraining, pool
-from clsys.model.long import long_attention_inputs
 from clsys.objectives.base import LossOutput, Objective
 
 TASKS = ("qlm", "rr")
@@ -215,6 +214,11 @@ class CLIR(Objective):
     # ---- losses -------------------------------------------------------------------------------
 
     def _hidden(self, input_ids, attention_mask, token_type_ids, document) -> torch.Tensor:
+        # Imported here, not with the module: clsys.model.long imports transformers' BERT modelling code (2 s),
+        # and every loader worker's process imports this module (clsys.data.streaming's forkserver preload)
+        # without ever computing a loss.
+        from clsys.model.long import long_attention_inputs
+
         attention = long_attention_inputs(self.model.config, attention_mask, document, self.model.dtype)
         return self.encode(self.model, {"input_ids": input_ids, "token_type_ids": token_type_ids,
                                         **attention}).last_hidden_state
