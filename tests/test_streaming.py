@@ -11,6 +11,8 @@ import json
 import os
 import pickle
 import random
+import subprocess
+import sys
 import tarfile
 
 import psutil
@@ -461,11 +463,8 @@ def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
 def test_loader_workers_import_no_model_code():
     """What the loader workers' forkserver imports (``_FORKSERVER_PRELOAD``) holds every objective's collate but
     none of transformers' modelling code: those imports (2 s of CPU a rank) came before every run's first batch."""
-    import subprocess
-    import sys
-
     preload = "import sys, importlib, clsys.data.streaming as s\n" \
-              "for name in s._FORKSERVER_PRELOAD[1:]: importlib.import_module(name)\n" \
+              "for name in s._FORKSERVER_PRELOAD: name == '__main__' or importlib.import_module(name)\n" \
               "print(sorted(m for m in sys.modules if '.modeling_' in m or m.endswith('.modeling')))"
     proc = subprocess.run([sys.executable, "-c", preload], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
