@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import warnings
 
@@ -48,9 +49,13 @@ def _grad_norms_in_fp32() -> None:
 
 def bf16_matmul_units(use_gpu: bool) -> bool:
     """Whether this process's device multiplies bf16 matrices natively: a GPU with bf16 support, or a CPU
-    with AVX512-BF16 / AMX (oneDNN's check). Elsewhere bf16 is emulated and slower than fp32."""
+    with AVX512-BF16 / AMX. Elsewhere bf16 is emulated and slower than fp32."""
     if use_gpu:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # Not oneDNN's own check: it says yes on any AVX512 core, where bf16 is emulated. Measured on an Intel
+        # Xeon with AVX512 but without AVX512-BF16: a MiniLM forward and backward 2.4 s in bf16, 0.64 s in fp32.
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN
