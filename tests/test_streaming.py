@@ -444,28 +444,54 @@ def test_loader_workers_get_the_objectives_data_side_only(tiny):
     assert all(torch.equal(full[k], light[k]) for k in full)
 
 
-@pytest.mark.parametrize("recipe", ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir", "css_lm"])
-def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
-    """Each bundled recipe's objective: its data side pickles (the forkserver's workers get it so; a lambda
-    in it, say, would stop training at the first batch) and carries no parameters."""
+RECIPES = ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir", "css_lm"]
+
+
+def recipe_objective(recipe: str, tiny: str):
+    """A bundled recipe's objective on the tiny BERT with MiniLM's tokenizer."""
     from clsys.config import load_config
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 
     extra = ["objective.num_labels=2"] if recipe == "css_lm" else []  # set by its pipeline from the task's data
     cfg = load_config(recipe, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", *extra])
-    objective = OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))
+    return OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
+    """Each bundled recipe's objective: its data side pickles (the forkserver's workers get it so; a lambda
+    in it, say, would stop training at the first batch) and carries no parameters."""
+    objective = recipe_objective(recipe, tiny)
     assert list(objective.parameters())
     data_side = pickle.loads(pickle.dumps(objective.data_side()))
     assert not list(data_side.parameters()) and not list(data_side.buffers())
 
 
-def test_loader_workers_import_no_model_code():
-    """What the loader workers' forkserver imports (``_FORKSERVER_PRELOAD``) holds every objective's collate but
-    none of transformers' modelling code: those imports (2 s of CPU a rank) came before every run's first batch."""
-    preload = "import sys, importlib, clsys.data.streaming as s\n" \
-              "for name in s._FORKSERVER_PRELOAD: name == '__main__' or importlib.import_module(name)\n" \
-              "print(sorted(m for m in sys.modules if '.modeling_' in m or m.endswith('.modeling')))"
-    proc = subprocess.run([sys.executable, "-c", preload], capture_output=True, text=True, timeout=120)
+def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, tmp_path):
+    """A loader worker is forked from the forkserver and then unpickles its collate. Whatever that pickle names and
+    the forkserver had not imported, every worker imported again at every epoch: MiniLM's tokenizer class pulled in
+    ``transformers.models`` (its import structure scanned from the source files), 0.3 s of CPU per worker start.
+    With the forkserver's imports for each recipe's collate (``forkserver_preload``), unpickling it imports nothing;
+    and none of them is transformers' modelling code (2 s of CPU a rank before every run's first batch)."""
+    from clsys.data.streaming import forkserver_preload
+
+    checks = []
+    for recipe in RECIPES:
+        collate = recipe_objective(recipe, tiny).data_side().collate
+        path = tmp_path / f"{recipe}.pkl"
+        path.write_bytes(pickle.dumps(collate))
+        checks.append((recipe, [m for m in forkserver_preload(collate) if m != "__main__"], str(path)))
+    # One interpreter for all (each takes seconds to import torch): each recipe's preload, then its collate.
+    script = "import importlib, json, pickle, sys\n" \
+             f"for recipe, preload, path in {checks!r}:\n" \
+             "    for name in preload: importlib.import_module(name)\n" \
+             "    before = set(sys.modules)\n" \
+             "    pickle.loads(open(path, 'rb').read())\n" \
+             "    print(json.dumps([recipe, sorted(set(sys.modules) - before)]))\n" \
+             "print(json.dumps(sorted(m for m in sys.modules if '.modeling_' in m or m.endswith('.modeling'))))"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[]", proc.stdout
+    *per_recipe, modelling = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert per_recipe == [[recipe, []] for recipe in RECIPES]
+    assert modelling == []
