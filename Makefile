@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make quickstart   create .venv, install, prepare the bundled Wikipedia sample, train, export, evaluate
-#   make test         install the test extras, build the docs (mkdocs --strict, seconds) and run the test suite
+#   make test         install the test extras, build the docs (mkdocs --strict, seconds), check the import
+#                     contracts (lint-imports) and run the test suite
 # The docs alone: make docs (into site/); preview: .venv/bin/mkdocs serve -a 127.0.0.1:8000
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -36,9 +37,11 @@ quickstart: install
 
 # The docs first: fast, and a broken link, a page left out of the nav or a config field without a
 # meaning (docs/hooks/config_reference.py) fails early. Never --quiet: it hides the warnings that --strict
-# counts, and the build passes (tests/test_docs_build.py).
+# counts, and the build passes (tests/test_docs_build.py). Then the import contracts (pyproject.toml's
+# [tool.importlinter], a second): which way imports may go between clsys's rooms and data_prep.
 test: install-test
 	$(PY) -m mkdocs build --strict --site-dir site
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 	$(PY) -m pytest -q -ra -n 2 tests
 
 docs: install-test

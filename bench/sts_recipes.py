@@ -234,13 +234,14 @@ def main() -> None:
             run("-m", "clsys.pretrain", "--config", recipe, *overrides)
             run_dir = os.path.join(out, run_name)
             arms.setdefault(name, []).append((cls_spearman(os.path.join(run_dir, "export")), step_time(run_dir, skip=1)))
+            print(f"seed {seed}: {name}: {arms[name][-1][0]:.2f} ({arms[name][-1][1]:.2f} s/step)", flush=True)
             if recipe == "quickstart" and not args.no_st:
                 cfg = load_config(recipe, overrides)
                 batches = consumed_batches(run_dir, cfg.cluster.num_workers, cfg.micro_batch, steps)
                 st_dir = os.path.join(out, f"bench-st-{seed}")
                 per_step = sentence_transformers_simcse(wiki, batches, cfg, st_dir, step_precision(cfg))
-                arms.setdefault(ST_ARM, []).append(
-                    (cls_spearman(st_dir), per_step))
+                arms.setdefault(ST_ARM, []).append((cls_spearman(st_dir), per_step))
+                print(f"seed {seed}: {ST_ARM}: {arms[ST_ARM][-1][0]:.2f} ({per_step:.2f} s/step)", flush=True)
 
     if args.korean_steps:
         korean_simcse(out, seeds, args.korean_steps)

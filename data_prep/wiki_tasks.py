@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from data_prep.dumps import BadIndex, Block, BlockReader, DumpReader, TruncatedDump, skip_reason
-from data_prep.sentences import Passage, SplitStats, counted_sentences, pack_passages
+from clsys.data.sentences import Passage, SplitStats, counted_sentences, pack_passages
 from clsys.shards.blocks import Record
 from data_prep.wikitext import WikitextCleaner
 

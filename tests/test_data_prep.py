@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from clsys import storage
-from data_prep.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
+from clsys.data.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
 from clsys.shards.manifest import read_manifest
 from clsys.shards.reader import load_shards, read_shard
 from data_prep.dumps import SiteInfo

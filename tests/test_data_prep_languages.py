@@ -17,7 +17,7 @@ from xml.sax.saxutils import escape
 import pytest
 
 from clsys import storage
-from data_prep.sentences import SplitStats, count_words, split_sentences
+from clsys.data.sentences import SplitStats, count_words, split_sentences
 from clsys.shards.manifest import read_manifest
 from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli
 from test_data_prep_multistream import write_multistream

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from data_prep.sentences import GRAPHEMES_PER_WORD, MIN_CHARS, MIN_WORDS, SplitStats, count_words, split_sentences
+from clsys.data.sentences import GRAPHEMES_PER_WORD, MIN_CHARS, MIN_WORDS, SplitStats, count_words, split_sentences
 from clsys.shards.manifest import read_manifest
 from test_data_prep import run_cli
 from test_data_prep_languages import dump_xml, sentences, summary_rows

@@ -52,7 +52,7 @@ def nsp_pairs(samples: list[dict[str, Any]], rng: random.Random) -> tuple[list[s
     segment B is the rest of it (label 0) or, with probability 0.5, sentences of another page's passage
     in the batch (label 1, BERT's convention). Sentences are re-split with the language-aware splitter
     that built the passages; a one-sentence passage is cut between words."""
-    from data_prep.sentences import SplitStats, split_sentences
+    from clsys.data.sentences import SplitStats, split_sentences
 
     split = [split_sentences(s["json"].get("lang", "en"), s["txt"], SplitStats()) or [s["txt"]] for s in samples]
     split = [parts if len(parts) > 1 else _halves(parts[0]) for parts in split]
