@@ -186,7 +186,7 @@ def build_tokenizer(tok_tables: dict | None = None):
 def write_sentence_transformers_files(out: Path, model) -> None:
     """e5's sentence-transformers modules (BERT, mean pooling, L2 normalization), written by clsys's
     export, plus its "query: " / "passage: " prompts."""
-    from clsys.export import write_sentence_transformers
+    from clsys.model.folder import write_sentence_transformers
 
     # model_args: build BertModel without the pooler the file does not have (no "newly initialized" warning).
     write_sentence_transformers(str(out), "mean", model, 512, normalize=True,

@@ -121,7 +121,7 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
     from clsys.engine.deepspeed import lr_lambda
-    from clsys.model.encoder import resolve_model_path
+    from clsys.model.loading import resolve_model_path
 
     torch.manual_seed(cfg.train.seed)
     text = {s["__key__"]: s["txt"] for shard in load_shards(storage.join(shards, "sentences")) for s in read_shard(shard)}

@@ -76,7 +76,7 @@ def _names_nothing(key: str, value: str, otherwise: str) -> ConfigError:
 def _model(key: str, value: str) -> str:
     from huggingface_hub import constants
 
-    from clsys.model.encoder import PACKAGED_MODELS
+    from clsys.model.loading import PACKAGED_MODELS
 
     if "://" in value or value in PACKAGED_MODELS:
         return value

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from scipy.stats import pearsonr, spearmanr
 from torch import nn
 
-from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer, resolve_model_path
+from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer
+from clsys.model.loading import resolve_model_path
 from clsys.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
                              load_tatoeba, parse_articles, xquad_pair)
 from clsys.sts_data import StsSet, bundled_sts, read_sts

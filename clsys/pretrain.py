@@ -378,7 +378,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         resume = resolve_resume(cfg, run)
         stream = check_data(cfg)
         if cfg.model.init == "pretrained":
-            from clsys.model.encoder import checked_model_path
+            from clsys.model.loading import checked_model_path
 
             checked_model_path(cfg.model.name)  # a damaged exported folder fails here, not in every worker
         clear_stop_marker(run)

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clsys.model.encoder import embed, load_tokenizer, resolve_model_path
+from clsys.model.encoder import embed, load_tokenizer
+from clsys.model.loading import resolve_model_path
 
 # Unmodified XQuAD (en, de, es, ru, zh) and Tatoeba (LASER v1) files; origin and licences in LICENSE.md there.
 XQUAD_ASSETS = Path(__file__).parent / "assets" / "xquad"

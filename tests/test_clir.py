@@ -279,7 +279,7 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
 def test_exported_reranker_scores_like_the_rr_head(tiny_model, tmp_path):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from clsys.export import write_reranker
+    from clsys.model.folder import write_reranker
 
     objective = make(tiny_model)
     with torch.no_grad():

@@ -20,7 +20,8 @@ from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegac
 from clsys.config import Config, ModelConfig, load_config
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.pretokenized import SentenceBatcher
-from clsys.model.encoder import load_tokenizer, resolve_model_path
+from clsys.model.encoder import load_tokenizer
+from clsys.model.loading import resolve_model_path
 from clsys.objectives.clir import CLIR
 from clsys.objectives.css_lm import CSSLM, CSSLMConfig
 from clsys.objectives.simcse import SimCSE

@@ -64,7 +64,7 @@ def test_a_malformed_sums_file_is_refused_naming_its_line(line, message):
 
 def test_evaluate_refuses_a_damaged_exported_folder(tmp_path, capsys):
     from clsys.evaluate import main
-    from clsys.model.encoder import resolve_model_path
+    from clsys.model.loading import resolve_model_path
 
     folder = tmp_path / "export"
     shutil.copytree(resolve_model_path("all-MiniLM-L6-v2"), folder)
@@ -323,7 +323,7 @@ MODEL_FOLDER_ATTACKS = {
 @pytest.mark.parametrize("attack", MODEL_FOLDER_ATTACKS)
 def test_an_exported_folder_whose_list_is_cut_edited_or_incomplete_is_refused(attack, tmp_path):
     """What ``clsys.evaluate`` and training from an exported folder read it through."""
-    from clsys.model.encoder import checked_model_path, resolve_model_path
+    from clsys.model.loading import checked_model_path, resolve_model_path
 
     folder = tmp_path / "export"
     shutil.copytree(resolve_model_path("all-MiniLM-L6-v2"), folder)
@@ -337,7 +337,7 @@ def test_an_exported_folder_whose_list_is_cut_edited_or_incomplete_is_refused(at
 def test_an_exported_folder_takes_a_card_edit_and_hidden_files_and_the_previous_version_still_loads(tmp_path):
     """The model card is meant to be edited, and hidden files come with a hub download or a git clone
     (.gitattributes, .cache/, .git/): none of them is read as the model, none needs a line."""
-    from clsys.model.encoder import checked_model_path, resolve_model_path
+    from clsys.model.loading import checked_model_path, resolve_model_path
 
     folder = tmp_path / "export"
     shutil.copytree(resolve_model_path("all-MiniLM-L6-v2"), folder)

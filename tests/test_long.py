@@ -9,7 +9,8 @@ import torch
 from transformers import (AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertForPreTraining,
                           BertModel)
 
-from clsys.model.encoder import encoder_from_config, load_encoder, resolve_model_path
+from clsys.model.encoder import encoder_from_config, load_encoder
+from clsys.model.loading import resolve_model_path
 from clsys.model.long import (GLOBAL_PROJECTIONS, LongSelfAttention, enable_global_attention, extend_positions,
                               local_global_mask, long_attention_inputs, main)
 

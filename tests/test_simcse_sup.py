@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clsys.config import Config
-from clsys.export import encoder_weights, with_pooler, write_model
+from clsys.model.folder import encoder_weights, with_pooler, write_model
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.simcse import SimCSE, SimCSEConfig
 from test_contrastive import naive_info_nce

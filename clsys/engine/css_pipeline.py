@@ -318,7 +318,7 @@ class Worker:
 def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> None:
     """``out``: the encoder as a Hugging Face / sentence-transformers folder (CLS pooling: the class
     view u), plus ``task_head.safetensors`` and ``classifier.json``: ``clsys.classify`` reads them."""
-    from clsys.export import publish, write_model
+    from clsys.model.folder import publish, write_model
 
     cfg = objective.cfg
     work = tempfile.mkdtemp(prefix="clsys-css-export-")

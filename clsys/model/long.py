@@ -25,7 +25,7 @@ from torch import nn
 from transformers.models.bert.modeling_bert import (ALL_ATTENTION_FUNCTIONS, BertSelfAttention,
                                                     eager_attention_forward)
 
-from clsys.model.encoder import _quiet_transformers, _without_pooler, resolve_model_path
+from clsys.model.loading import quiet_transformers, resolve_model_path, without_pooler
 
 GLOBAL_PROJECTIONS = ("query_global", "key_global", "value_global")
 
@@ -164,12 +164,12 @@ def load_with_heads(path: str) -> tuple[nn.Module, list[str]]:
     """
     from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForPreTraining
 
-    _quiet_transformers()
+    quiet_transformers()
     config = AutoConfig.from_pretrained(path)
     attempts = [(AutoModelForPreTraining, {}), (AutoModelForMaskedLM, {}), (AutoModel, {})]
-    if _without_pooler(config):
+    if without_pooler(config):
         # Encoders saved without the pooler (clsys export does that) would otherwise get a random one.
-        attempts.append((AutoModel, _without_pooler(config)))
+        attempts.append((AutoModel, without_pooler(config)))
     complete = None
     for auto_class, kwargs in attempts:
         try:

@@ -22,7 +22,8 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
-from clsys.model.encoder import POOLER_MODEL_TYPES, POOLINGS, build_encoder, build_masked_lm, pool
+from clsys.model.encoder import POOLINGS, build_encoder, build_masked_lm, pool
+from clsys.model.loading import POOLER_MODEL_TYPES
 from clsys.objectives.base import LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 

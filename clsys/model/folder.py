@@ -1,0 +1,224 @@
+"""A model folder as clsys exports it, and its publication at a URL.
+
+The encoder's Hugging Face weights (with a pooler for architectures that have one: ``with_pooler``) and its
+tokenizer, the sentence-transformers modules after the Transformer (``write_sentence_transformers``), optionally a
+reranker, and ``publish``: the finished folder put in place of an earlier export, whole or not at all. Used by
+``python -m clsys.export`` (a checkpoint → a folder) and by CSS-LM's export in its training workers; it knows
+nothing of checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from clsys import integrity, storage
+from clsys.model.encoder import encoder_from_config, pooler_weights, with_global_attention
+from clsys.model.loading import POOLER_MODEL_TYPES, resolve_model_path
+
+
+def source_max_seq_length(model_name: str, config) -> int:
+    """Keep the source model's sentence-transformers length when it has one."""
+    st_config = os.path.join(resolve_model_path(model_name), "sentence_bert_config.json")
+    if os.path.exists(st_config):
+        with open(st_config) as f:
+            return int(json.load(f)["max_seq_length"])
+    return min(512, getattr(config, "max_position_embeddings", 512))
+
+
+def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length: int, normalize: bool = False,
+                                model_args: dict | None = None) -> None:
+    """modules.json and the modules after the Transformer: Pooling, plus Dense(tanh) for ``cls_mlp``,
+    plus Normalize (unit-length embeddings) with ``normalize``.
+
+    ``cls_mlp`` is the model's pooler (dense + tanh on [CLS]) written as sentence-transformers'
+    ``Dense`` module (its ``config.json`` + ``model.safetensors`` with ``linear.weight``/``linear.bias``),
+    so ``SentenceTransformer(folder)`` gives the HF ``pooler_output``. ``model_args``: keyword arguments
+    sentence-transformers passes when it builds the Transformer's model (e.g. ``add_pooling_layer``).
+    """
+    from safetensors.torch import save_file
+
+    dim = model.config.hidden_size
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    pooling_config = {
+        "word_embedding_dimension": dim,
+        "pooling_mode_cls_token": pooling in ("cls", "cls_mlp"),
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": pooling == "max",
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    files = {"1_Pooling/config.json": pooling_config,
+             "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False,
+                                           **({"model_args": model_args} if model_args else {})},
+             "config_sentence_transformers.json": {"__version__": _versions(), "model_type": "SentenceTransformer",
+                                                   "prompts": {}, "default_prompt_name": None,
+                                                   "similarity_fn_name": "cosine"}}
+    if pooling == "cls_mlp":
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        dense = model.pooler.dense
+        files["2_Dense/config.json"] = {
+            "in_features": dense.in_features, "out_features": dense.out_features, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh",
+            "module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"}
+        os.makedirs(os.path.join(folder, "2_Dense"), exist_ok=True)
+        save_file({"linear.weight": dense.weight.detach().contiguous(), "linear.bias": dense.bias.detach().contiguous()},
+                  os.path.join(folder, "2_Dense", "model.safetensors"))
+    if normalize:  # Normalize has no parameters: its folder is all it needs
+        index = len(modules)
+        modules.append({"idx": index, "name": str(index), "path": f"{index}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(folder, f"{index}_Normalize"), exist_ok=True)
+    files["modules.json"] = modules
+    os.makedirs(os.path.join(folder, "1_Pooling"), exist_ok=True)
+    for name, obj in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+
+def _versions() -> dict[str, str]:
+    """The library versions sentence-transformers records in config_sentence_transformers.json."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"pytorch": torch.__version__}
+    for package in ("transformers", "sentence-transformers"):
+        try:
+            out[package.replace("-", "_")] = version(package)
+        except PackageNotFoundError:  # sentence-transformers is not a dependency of clsys
+            pass
+    return out
+
+
+def encoder_weights(state: dict, meta: dict) -> dict:
+    """The exported encoder's state dict, from the objective's: the encoder's own weights under
+    ``meta["encoder_prefix"]``, plus the heads ``meta["export_head_map"]`` maps into it (e.g. an MLP
+    that becomes the pooler)."""
+    prefix = meta["encoder_prefix"] + "."
+    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    weights.update({name: state[key] for name, key in meta.get("export_head_map", {}).items()})
+    return weights
+
+
+def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
+    """``weights`` with a pooler for architectures that have one, and where it comes from. Objectives
+    pool without it (it is not trained) unless they export a head into it; but ``AutoModel`` builds it
+    and would report it missing and initialise it at random on every load. So the base model's pooler
+    goes with the export, or, where the base has none (from scratch, or a model saved without it), a
+    fixed initialisation (seed 0): either way unused by the export's own pooling."""
+    if config.model_type not in POOLER_MODEL_TYPES:
+        return weights, "none (the architecture has no pooler)"
+    if "pooler.dense.weight" in weights:
+        return weights, "trained (the objective's head)"
+    base = pooler_weights(base_model)
+    if base:
+        return {**weights, **base}, f"{base_model}'s, untrained"
+    # BERT's initialisation of its pooler's dense layer, from a generator of its own: the caller's random
+    # state (a training worker's, for CSS-LM's export) stays as it was, and no whole model is built.
+    dim = config.hidden_size
+    weight = torch.empty(dim, dim).normal_(0.0, getattr(config, "initializer_range", 0.02),
+                                           generator=torch.Generator().manual_seed(0))
+    return {**weights, "pooler.dense.weight": weight, "pooler.dense.bias": torch.zeros(dim)}, \
+        "initialised (seed 0), untrained"
+
+
+def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
+                source: str, base_model: str) -> str:
+    """Save the encoder (with its pooler: see ``with_pooler``; ``base_model`` "" for one trained from
+    scratch), tokenizer and sentence-transformers files; returns where the pooler came from."""
+    weights, pooler = with_pooler(weights, config, base_model)
+    model = encoder_from_config(config, with_pooler=config.model_type in POOLER_MODEL_TYPES)
+    _save_filled(model, weights, folder, tokenizer_dir, source)
+    write_sentence_transformers(folder, pooling, model, max_seq_length)
+    return pooler
+
+
+def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: str) -> None:
+    """Load ``weights`` into ``model`` (every parameter must be covered) and save it with the tokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for the one file of a small model
+
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{source}: checkpoint does not match {type(model).__name__} (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+
+
+def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, tokenizer_dir: str) -> None:
+    """The objective's relevance head with the encoder as a 2-label ``AutoModelForSequenceClassification``
+    in ``folder`` (scores are its logit 1, see ``clsys.retrieval.hf_reranker``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = with_global_attention(AutoModelForSequenceClassification.from_config(
+        config.__class__.from_dict({**config.to_dict(), "num_labels": 2})))
+    full = {f"{model.base_model_prefix}.{k}": v for k, v in weights.items()}
+    full.update({name: state[key] for name, key in meta["export_reranker_map"].items()})
+    _save_filled(model, full, folder, tokenizer_dir, "reranker")
+
+
+RECORD = "clsys_export.json"
+# The record every clsys export holds: clsys.export's, and CSS-LM's classifier (clsys.engine.css_pipeline).
+EXPORT_RECORDS = (RECORD, "classifier.json")
+
+
+def check_replaceable(out: str) -> None:
+    """Refuse (FileExistsError naming it) an ``out`` that ``publish`` must not replace: anything but an
+    empty folder, nothing, or a clsys export (one of ``EXPORT_RECORDS`` at its top). ``--out ~/models``
+    or ``--out .`` used to be deleted whole."""
+    target = storage.parse(out)
+    if target.scheme == "file" and os.path.lexists(target.path) and not os.path.isdir(target.path):
+        raise FileExistsError(f"{out}: not a folder: refusing to replace it with an export; choose another --out")
+    if target.scheme == "file":
+        names = os.listdir(target.path) if os.path.isdir(target.path) else []
+    else:
+        names = [rel for _, rel in storage.list_relative(out)]
+    if names and not set(names) & set(EXPORT_RECORDS):
+        raise FileExistsError(f"{out}: not a clsys export (it holds no {' or '.join(EXPORT_RECORDS)}) and not "
+                              f"empty: refusing to replace it; choose another --out")
+
+
+def publish(folder: str, out: str) -> None:
+    """Put the finished local ``folder`` at ``out`` in place of what ``check_replaceable`` lets it replace.
+
+    On a filesystem the folder is copied to a temporary folder beside ``out`` and renamed to it (the
+    previous export renamed aside just before, deleted just after): a copy that fails leaves the
+    previous export as it was and nothing beside it. Object storage (s3://) has no rename: the previous
+    export's COMPLETE is deleted first, then its objects the new export lacks, and the new files are
+    uploaded with COMPLETE last, so that an upload cut short leaves a folder without COMPLETE.
+    """
+    check_replaceable(out)
+    target = storage.parse(out)
+    if target.scheme != "file":
+        storage.delete(storage.join(out, integrity.SEAL))
+        new = {path.relative_to(folder).as_posix() for path in Path(folder).rglob("*") if path.is_file()}
+        for obj, rel in list(storage.list_relative(out)):
+            if rel not in new:
+                storage.delete(obj)
+        integrity.upload_sealed(folder, out)
+        return
+    parent, name = os.path.split(target.path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}.clsys-export-", dir=parent)
+    aside = f"{staging}-previous"
+    try:
+        shutil.copytree(folder, staging, dirs_exist_ok=True)
+        if os.path.lexists(target.path):
+            os.rename(target.path, aside)
+        try:
+            os.rename(staging, target.path)
+        except BaseException:
+            if os.path.lexists(aside):
+                os.rename(aside, target.path)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
