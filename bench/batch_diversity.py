@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from clsys.config import load_config  # noqa: E402
+from clsys.recipes import load_config  # noqa: E402
 from clsys.shards.reader import load_shards, read_shard  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 

@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, batch: int, chunk: int, zero: int, texts: list[s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.grad_cache import grad_cache_backward
     from clsys.model.encoder import load_tokenizer
@@ -80,7 +80,7 @@ def measure(batch: int, chunk: int, zero: int, texts: list[str]) -> tuple[float,
 def _float64_check(rank: int, port: int, batch: int, chunk: int, texts: list[str], out: dict) -> None:
     import torch.distributed as dist
 
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine.grad_cache import grad_cache
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES

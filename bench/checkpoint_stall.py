@@ -58,7 +58,7 @@ def run_way(rank: int, port: int, way: str, args, run_url: str, out: dict) -> No
     import torch.distributed as dist
 
     from clsys import storage
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine import checkpoint
     from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed

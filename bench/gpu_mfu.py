@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clsys.config import load_config  # noqa: E402
+from clsys.recipes import load_config  # noqa: E402
 from clsys.engine.deepspeed import compile_models  # noqa: E402
 from clsys.objectives import OBJECTIVES  # noqa: E402
 

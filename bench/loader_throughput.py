@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from clsys import storage  # noqa: E402
-from clsys.config import load_config  # noqa: E402
+from clsys.recipes import load_config  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 from clsys.objectives import OBJECTIVES  # noqa: E402

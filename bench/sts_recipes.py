@@ -211,7 +211,7 @@ def main() -> None:
     out = os.path.abspath(args.out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine.deepspeed import step_precision
 
     wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))

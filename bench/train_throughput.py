@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from clsys import storage  # noqa: E402
-from clsys.config import load_config  # noqa: E402
+from clsys.recipes import load_config  # noqa: E402
 from clsys.shards.reader import load_shards, read_shard  # noqa: E402
 from clsys.engine.deepspeed import bf16_matmul_units  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402

@@ -1,8 +1,8 @@
 """Typed configuration: dataclasses, filled from a YAML recipe plus dotted ``key=value`` overrides.
 
-``load_config("clsys/configs/simcse_unsup.yaml", ["train.steps=50", "data.url=s3://b/p"])``
-An unknown key or a value of the wrong type is an error that names the key, so a typo in a
-recipe never silently falls back to a default.
+``clsys.recipes.load_config("simcse_unsup", ["train.steps=50", "data.url=s3://b/p"])`` (which hands this module
+each objective's config dataclass: it imports no objective). An unknown key or a value of the wrong type is an
+error that names the key, so a typo in a recipe never silently falls back to a default.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import os
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -386,30 +386,16 @@ def _set_mapping(mapping: dict, keys: list[str], value, dotted: str) -> None:
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
-def resolve_recipe(path: str) -> Path:
-    """A recipe path as given, or the name of a bundled recipe (``simcse_unsup``)."""
-    p = Path(path)
-    if p.exists():
-        return p
-    bundled = CONFIG_DIR / (path if path.endswith(".yaml") else f"{path}.yaml")
-    if bundled.exists():
-        return bundled
-    raise ConfigError(f"{path}: no such config file (bundled recipes: "
-                      f"{', '.join(sorted(q.stem for q in CONFIG_DIR.glob('*.yaml')))})")
+def _objective_config(name: str, objective_configs: Mapping[str, type[ObjectiveConfig]]) -> ObjectiveConfig:
+    if name not in objective_configs:
+        raise ConfigError(f"objective.name: unknown objective '{name}' (choose from {', '.join(objective_configs)})")
+    return objective_configs[name](name=name)
 
 
-def _objective_config(name: str) -> ObjectiveConfig:
-    from clsys.objectives import OBJECTIVES
-
-    if name not in OBJECTIVES:
-        raise ConfigError(f"objective.name: unknown objective '{name}' (choose from {', '.join(OBJECTIVES)})")
-    return OBJECTIVES[name].config_class(name=name)
-
-
-def _build(items: list[tuple[str, object, str]]) -> Config:
+def _build(items: list[tuple[str, object, str]], objective_configs: Mapping[str, type[ObjectiveConfig]]) -> Config:
     """Apply (dotted key, value, where-it-came-from) items in order onto a fresh Config."""
     name = next((v for k, v, _ in reversed(items) if k == "objective.name"), ObjectiveConfig.name)
-    cfg = Config(objective=_objective_config(str(name)))
+    cfg = Config(objective=_objective_config(str(name), objective_configs))
     for key, value, source in items:
         try:
             _set(cfg, key, value)
@@ -419,10 +405,13 @@ def _build(items: list[tuple[str, object, str]]) -> Config:
     return cfg
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def parse_config(recipe: Path | None, overrides: list[str],
+                 objective_configs: Mapping[str, type[ObjectiveConfig]]) -> Config:
+    """A checked Config from a recipe file and ``key=value`` overrides, the ``objective`` section checked against
+    ``objective_configs[objective.name]`` (each objective's own dataclass: ``clsys.recipes`` passes them, so that
+    this module imports no objective)."""
     items: list[tuple[str, object, str]] = []
-    if path:
-        recipe = resolve_recipe(path)
+    if recipe is not None:
         try:
             raw = yaml.safe_load(recipe.read_text()) or {}
         except yaml.YAMLError as err:
@@ -445,12 +434,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
                 raise ConfigError(f"override: {key}: not a YAML value ({err})") from None
         # Else the raw string: _coerce parses it for the key's type (YAML would read 24:48 as the number 1488).
         items.append((key, value, "override: "))
-    return _build(items)
+    return _build(items, objective_configs)
 
 
-def config_from_dict(d: dict) -> Config:
-    """The inverse of ``Config.to_dict`` (used to ship the config to Ray workers and checkpoints)."""
-    return _build([(f"{section}.{key}", value, "") for section, values in d.items() for key, value in values.items()])
+def parse_config_dict(d: dict, objective_configs: Mapping[str, type[ObjectiveConfig]]) -> Config:
+    """The inverse of ``Config.to_dict``."""
+    return _build([(f"{section}.{key}", value, "") for section, values in d.items() for key, value in values.items()],
+                  objective_configs)
 
 
 def run_url(cfg: Config) -> str:

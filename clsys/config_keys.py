@@ -143,7 +143,8 @@ def sections() -> list[Section]:
     """Every key, section by section in ``Config`` order; after ``objective`` (the keys every objective
     has), one section per objective with its own keys. Defaults from the dataclasses; the quickstart
     recipe's value beside them where it differs."""
-    from clsys.config import Config, ObjectiveConfig, load_config
+    from clsys.config import Config, ObjectiveConfig
+    from clsys.recipes import load_config
     from clsys.objectives import OBJECTIVES
 
     quickstart = load_config("quickstart")
@@ -177,7 +178,7 @@ def known_keys() -> set[str]:
 
 def recipes() -> dict[str, str]:
     """The bundled recipes (``--config NAME``) and the first sentence of each one's header comment."""
-    from clsys.config import CONFIG_DIR
+    from clsys.recipes import CONFIG_DIR
 
     out = {}
     for path in sorted(CONFIG_DIR.glob("*.yaml")):

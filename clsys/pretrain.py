@@ -35,11 +35,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 from clsys import integrity, storage  # noqa: E402
-from clsys.config import ClusterConfig, Config, ConfigError, load_config, run_url  # noqa: E402
+from clsys.config import ClusterConfig, Config, ConfigError, run_url  # noqa: E402
 from clsys.config_paths import resolve_local_paths  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
 from clsys.lease import LEASE, Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
+from clsys.recipes import load_config  # noqa: E402
 
 # Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
 # visible in the dashboard): workers read them from their own environment / instance role.

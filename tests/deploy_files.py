@@ -123,7 +123,7 @@ def pretrain_config(argv: list[str]):
     """clsys.pretrain's command line (see clsys/pretrain.py main) through clsys's real config loader."""
     import argparse
 
-    from clsys.config import load_config
+    from clsys.recipes import load_config
 
     p = argparse.ArgumentParser(exit_on_error=False)
     p.add_argument("--config", default="quickstart")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.data.mixing import TaskMixer
 from clsys.data.streaming import ShardLoader
 from clsys.model.encoder import load_tokenizer

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from clsys.config import CONFIG_DIR, ConfigError, config_from_dict, load_config
+from clsys.config import ConfigError
+from clsys.recipes import CONFIG_DIR, config_from_dict, load_config
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))

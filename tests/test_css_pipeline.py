@@ -12,7 +12,7 @@ import re
 import pytest
 
 from clsys import storage
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.data.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
 from clsys.engine.css_pipeline import epoch_rows, stage_config
 from clsys.model.encoder import load_tokenizer

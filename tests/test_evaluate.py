@@ -114,7 +114,7 @@ def test_full_sick_is_scored_on_the_split_its_semeval_set_column_marks_and_says_
 
 
 def test_the_trainer_evaluates_on_the_trial_split_of_sick_txt():
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine.loop import _dev_set
 
     dev = _dev_set(load_config(None, [f"eval.sts_dev={SUITE / 'SICK' / 'SICK.txt'}"]))

@@ -17,7 +17,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
 
-from clsys.config import Config, ModelConfig, load_config
+from clsys.config import Config, ModelConfig
+from clsys.recipes import load_config
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import load_tokenizer

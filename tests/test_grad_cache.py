@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
     one process group (a process pair per way would cost a start-up of torch and DeepSpeed each)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.engine.grad_cache import grad_cache, grad_cache_backward, split_rows
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
@@ -157,7 +157,7 @@ def test_deepspeed_zero_gradient_equals_the_plain_step(tiny, objective_kind, zer
 
 
 def test_objectives_without_an_in_batch_loss_refuse_grad_cache(tiny):
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 

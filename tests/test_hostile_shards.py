@@ -23,7 +23,7 @@ from test_clir import record
 from test_streaming_faults import tar_bytes
 
 from clsys import storage
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.shards.reader import Shard, ShardError, load_shards, read_shard
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.clir import CLIR

@@ -172,7 +172,7 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
     import clsys.pretrain as pretrain
-    from clsys.config import load_config
+    from clsys.recipes import load_config
 
     job_env = yaml.safe_load(RUNTIME_ENV.read_text())
     if job_sets_forwarded_vars:
@@ -200,7 +200,7 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
 def test_joining_a_cluster_without_a_node_for_a_worker_warns(capsys):
     """Workers of 2 CPUs (the quickstart's faster setting on 2 cores) on cluster/local.sh's 1-CPU nodes: Ray
     Train would wait without a word; the driver says why and what to set. A node with the resources is quiet."""
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.pretrain import warn_if_no_node_fits_a_worker
 
     two_cpus = load_config("quickstart", ["cluster.num_workers=1", "cluster.cpus_per_worker=2"]).cluster

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.metrics import TensorBoard, collapsed
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES
 

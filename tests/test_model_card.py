@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.evaluate import folder_pooling
 from clsys.model_card import add_evaluation, write_card
 

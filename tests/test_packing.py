@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.model import packing
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES

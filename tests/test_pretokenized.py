@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from clsys.config import Config, ModelConfig, load_config
+from clsys.config import Config, ModelConfig
+from clsys.recipes import load_config
 from clsys.data.pretokenized import SentenceBatcher, tokenizer_fingerprint
 from clsys.shards.reader import Shard, ShardError, load_shards, read_shard
 from clsys.model.encoder import load_tokenizer

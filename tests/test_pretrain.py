@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from clsys import storage
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.engine.checkpoint import complete_checkpoints
 from faults import Run, sample_keys
 

@@ -18,7 +18,8 @@ METRIC = "stsb-en-dev_spearman"
 def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                       LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
-    from clsys.config import ConfigError, load_config
+    from clsys.config import ConfigError
+    from clsys.recipes import load_config
     from clsys.engine import checkpoint
     from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed
@@ -85,7 +86,8 @@ def test_best_checkpoint_survives_keep_last_and_restarts(tiny, tmp_path):
     (["eval.sts_dev=", "eval.select=xquad_en-de_mrr@10"], "eval.select: expected '' or sts_dev when nothing"),
 ])
 def test_selection_config_errors(overrides, message):
-    from clsys.config import ConfigError, load_config
+    from clsys.config import ConfigError
+    from clsys.recipes import load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)

@@ -401,7 +401,7 @@ def mixed_scripts(n: int, i: int) -> str:
 
 def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
     """Objective.sample_lengths (tokens) as the sort key: far less padding than characters give."""
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 
@@ -426,7 +426,7 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
 def test_loader_workers_get_the_objectives_data_side_only(tiny):
     """What training hands the loader's worker processes (``Objective.data_side``): the objective's
     collate as it is, without its parameters and submodules (here the encoder, the MLP and the MLM head)."""
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 
@@ -449,7 +449,7 @@ RECIPES = ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir",
 
 def recipe_objective(recipe: str, tiny: str):
     """A bundled recipe's objective on the tiny BERT with MiniLM's tokenizer."""
-    from clsys.config import load_config
+    from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
     from clsys.objectives import OBJECTIVES
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from clsys.config import load_config
+from clsys.recipes import load_config
 from clsys.data.masking import Masker
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.tacl import TaCL, token_contrastive_loss

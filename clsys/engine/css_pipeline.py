@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from clsys import storage
-from clsys.config import Config, config_from_dict, run_url
+from clsys.config import Config, run_url
+from clsys.recipes import config_from_dict
 from clsys.data.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
 from clsys.data.labeled import LabeledSet, few_shot, load_labeled
 from clsys.engine.deepspeed import build_engine, init_distributed

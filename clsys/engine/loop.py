@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from clsys import storage
 from clsys.analysis.heatmap import Panel, render, token_similarity
-from clsys.config import Config, config_from_dict, run_url
+from clsys.config import Config, run_url
+from clsys.recipes import config_from_dict
 from clsys.engine import checkpoint
 from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
