@@ -4,7 +4,7 @@ Two drivers started on the same run folder (a job submitted twice, a requeued SL
 old one) would both write its checkpoints. The lease is a small JSON object (holder id, host, pid,
 time-to-live, a renewal counter) taken and renewed only by compare-and-swap: S3 conditional writes
 (``If-None-Match: *`` to create, ``If-Match: <ETag>`` to renew or take over), or a file under an
-exclusive lock (``clsys.compare_and_swap``). The holder renews it every third of ``cluster.lease_ttl_s``
+exclusive lock (``clsys.storage.compare_and_swap``). The holder renews it every third of ``cluster.lease_ttl_s``
 and deletes it when it exits.
 
 A driver that finds the lease held watches it: a renewal means its holder is alive, and the driver
@@ -28,7 +28,8 @@ import threading
 import time
 import uuid
 
-from clsys import compare_and_swap, storage
+from clsys import storage
+from clsys.storage import compare_and_swap
 
 LEASE = "LEASE"
 

@@ -162,12 +162,12 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
         from clsys.engine.loop import train_worker as worker
 
     c = cfg.cluster
-    run = storage.parse(run_url(cfg))
+    run = run_url(cfg)
     # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
     # Not under the driver's working folder: `ray job submit` on several raylets of one machine replaces
     # it while the driver runs (see main).
-    ray_dir = os.path.join(run.path, "ray") if run.scheme == "file" else os.path.join(tempfile.gettempdir(),
-                                                                                      "clsys-ray")
+    ray_dir = os.path.join(storage.parse(run).path, "ray") if storage.is_local(run) else \
+        os.path.join(tempfile.gettempdir(), "clsys-ray")
     trainer = TorchTrainer(
         worker,
         train_loop_config={"config": cfg.to_dict(), "resume": resume},

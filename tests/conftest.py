@@ -69,7 +69,7 @@ def use_endpoint(monkeypatch, url: str) -> None:
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", url)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-    storage._s3_client.cache_clear()
+    storage.forget_s3_clients()
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

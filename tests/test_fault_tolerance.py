@@ -277,10 +277,10 @@ def s3_storage(s3_auth_server, monkeypatch, request):
               "AWS_SECRET_ACCESS_KEY": s3_auth_server["secret_access_key"], "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in direct.items():
         monkeypatch.setenv(k, v)
-    storage._s3_client.cache_clear()
+    storage.forget_s3_clients()
     # Registered after monkeypatch, so it runs before the env is restored: the next test's client is
     # then built from its own environment, not this test's server.
-    request.addfinalizer(storage._s3_client.cache_clear)
+    request.addfinalizer(storage.forget_s3_clients)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     base = f"{s3_auth_server['bucket_url']}/{request.node.name.replace('[', '-').rstrip(']')}"
     shards = f"{base}/shards"

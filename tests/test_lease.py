@@ -14,7 +14,8 @@ import pytest
 from conftest import use_endpoint
 from s3_fault_proxy import Fault, FaultProxy
 
-from clsys import compare_and_swap, storage
+from clsys import storage
+from clsys.storage import compare_and_swap
 from clsys.lease import LEASE, Lease, LeaseHeld
 
 HOLD = """
@@ -86,7 +87,7 @@ def lossy_s3(s3_server, s3_bucket, monkeypatch):
     yield start
     for proxy in proxies:
         proxy.stop()
-    storage._s3_client.cache_clear()  # later tests get clients of the restored endpoint
+    storage.forget_s3_clients()  # later tests get clients of the restored endpoint
 
 
 @pytest.mark.parametrize("retries", [storage.ATTEMPTS, 0])
@@ -95,7 +96,7 @@ def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, mon
     response never arrives: botocore sends the same If-Match PUT again and gets 412, as the lease it
     matched has just been replaced, by this very write. With no retries the renewal fails instead, and
     the next one gets the 412. Either way the driver must see its own record there and keep the run."""
-    monkeypatch.setattr(storage, "ATTEMPTS", retries)  # botocore's max_attempts; before the client is made
+    monkeypatch.setattr(storage.base, "ATTEMPTS", retries)  # botocore's max_attempts; before the client is made
     run_url, proxy = lossy_s3(Fault("lost", "PUT", every=3))
     lost = []
     lease = Lease(run_url, 1.5, on_lost=lost.append)  # renewed every 0.5 s

@@ -34,13 +34,13 @@ def texts_of(samples: list[dict]) -> dict:
 def fresh_clients():
     """Set up before monkeypatch, so torn down after it: later tests get clients of the restored env."""
     yield
-    storage._s3_client.cache_clear()
+    storage.forget_s3_clients()
 
 
 @pytest.fixture
 def proxied(s3_server, monkeypatch):
     """``proxied(*faults)`` starts a FaultProxy in front of the test server and points storage at it."""
-    monkeypatch.setattr(storage, "MULTIPART_BYTES", 5 * 2**20)  # S3's smallest part: multipart at test sizes
+    monkeypatch.setattr(storage.base, "MULTIPART_BYTES", 5 * 2**20)  # S3's smallest part: multipart at test sizes
     proxies = []
 
     def start(*faults: Fault) -> FaultProxy:
@@ -94,7 +94,7 @@ def test_botocore_detects_a_truncated_body_and_the_reader_resumes_it(s3_bucket, 
 def test_a_read_that_never_progresses_gives_up_naming_the_url(s3_bucket, proxied, monkeypatch):
     url = storage.join(s3_bucket, "stuck")
     storage.write_bytes(url, b"x" * 10_000)
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(storage.base, "BACKOFF_S", 0.001)
     proxied(Fault("truncate", "GET", keep=0.0))  # headers, then not one byte
     with pytest.raises(storage.StorageError, match=f"{url}: reading failed {storage.ATTEMPTS} times in a row at "
                                                    "byte 0 of 10000; last error"):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from clsys import compare_and_swap, fsspec_store, storage
+from clsys import storage
+from clsys.storage import compare_and_swap, fsspec_store
 from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.lease import Lease
 from clsys.storage import StorageError
@@ -178,7 +179,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(mem, monkeypatc
     url = storage.join(mem, "flaky")
     storage.write_bytes(url, b"data")
     fs, _ = fsspec_store.filesystem(storage.parse(url))
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(storage.base, "BACKOFF_S", 0.001)
     calls = []
 
     def failing(errors):

@@ -211,7 +211,7 @@ class CheckpointWriter:
             shutil.rmtree(job.local, ignore_errors=True)
 
     def _write(self, job: _Write) -> None:
-        in_place = storage.parse(job.url).scheme == "file"  # see the module's docstring
+        in_place = storage.is_local(job.url)  # see the module's docstring
         zipfile_serialization = getattr(self.snapshots.inner, "zipfile_serialization", True)
         sums = {}
         while job.snapshots:

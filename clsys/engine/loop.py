@@ -37,9 +37,9 @@ from clsys.tensorboard import LOG_FOLDER, EventSync
 def local_tensorboard_dir(cfg: Config) -> str:
     """TensorBoard writes to a local folder: the run's own when the run is local, else a fresh
     temporary one that ``EventSync`` mirrors to ``<run>/tensorboard``."""
-    run = storage.parse(run_url(cfg))
-    if run.scheme == "file":
-        return os.path.join(run.path, "tensorboard")
+    run = run_url(cfg)
+    if storage.is_local(run):
+        return os.path.join(storage.parse(run).path, "tensorboard")
     return tempfile.mkdtemp(prefix=f"clsys-tensorboard-{cfg.train.name.replace('/', '-')}-")
 
 

@@ -175,9 +175,9 @@ def check_replaceable(out: str) -> None:
     empty folder, nothing, or a clsys export (one of ``EXPORT_RECORDS`` at its top). ``--out ~/models``
     or ``--out .`` used to be deleted whole."""
     target = storage.parse(out)
-    if target.scheme == "file" and os.path.lexists(target.path) and not os.path.isdir(target.path):
+    if storage.is_local(out) and os.path.lexists(target.path) and not os.path.isdir(target.path):
         raise FileExistsError(f"{out}: not a folder: refusing to replace it with an export; choose another --out")
-    if target.scheme == "file":
+    if storage.is_local(out):
         names = os.listdir(target.path) if os.path.isdir(target.path) else []
     else:
         names = [rel for _, rel in storage.list_relative(out)]
@@ -197,7 +197,7 @@ def publish(folder: str, out: str) -> None:
     """
     check_replaceable(out)
     target = storage.parse(out)
-    if target.scheme != "file":
+    if not storage.is_local(out):
         storage.delete(storage.join(out, integrity.SEAL))
         new = {path.relative_to(folder).as_posix() for path in Path(folder).rglob("*") if path.is_file()}
         for obj, rel in list(storage.list_relative(out)):

@@ -8,7 +8,9 @@ from __future__ import annotations
 import io
 import time
 
-from clsys import storage
+from clsys.storage import base
+from clsys.storage.base import Location, StorageError, backoff_s
+from clsys.storage.s3_client import s3_call, s3_client
 
 
 class S3Reader(io.IOBase):
@@ -17,12 +19,12 @@ class S3Reader(io.IOBase):
     botocore retries a request until a response arrives, but a body that breaks while the caller
     reads it (reset, read timeout, fewer bytes than Content-Length) is past its reach. Then we ask
     for the rest with ``Range: bytes=<offset>-`` and ``If-Match: <ETag>`` (a replaced object is an
-    error, never a splice of two objects), after a backoff. ``storage.ATTEMPTS`` failures in a row without
+    error, never a splice of two objects), after a backoff. ``base.ATTEMPTS`` failures in a row without
     a byte of progress give up. A reader of part of the object (``start``, ``end``: a ranged GET) asks
     only for that part, the first time and on every resume.
     """
 
-    def __init__(self, url: str, loc: storage.Location, start: int = 0, end: int | None = None):
+    def __init__(self, url: str, loc: Location, start: int = 0, end: int | None = None):
         from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
         from urllib3.exceptions import ProtocolError
 
@@ -38,12 +40,11 @@ class S3Reader(io.IOBase):
         return f"bytes={start}-{'' if self.end is None else self.end - 1}"
 
     def _get(self, start: int, condition: dict) -> dict:
-        resp = storage._s3_call(self.url, storage.s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path,
-                                **condition)
+        resp = s3_call(self.url, s3_client().get_object, Bucket=self.loc.bucket, Key=self.loc.path, **condition)
         # A server that ignored Range would hand us the object from byte 0: refuse to splice that.
         if "Range" in condition and not resp.get("ContentRange", "").startswith(f"bytes {start}-"):
             resp["Body"].close()
-            raise storage.StorageError(f"{self.url}: the server ignored a ranged GET from byte {start}")
+            raise StorageError(f"{self.url}: the server ignored a ranged GET from byte {start}")
         return resp
 
     def readable(self) -> bool:
@@ -74,10 +75,10 @@ class S3Reader(io.IOBase):
 
     def _resume(self, err: Exception) -> None:
         self.failures += 1
-        if self.failures >= storage.ATTEMPTS:
-            raise storage.StorageError(f"{self.url}: reading failed {storage.ATTEMPTS} times in a row at byte {self.offset} of "
+        if self.failures >= base.ATTEMPTS:
+            raise StorageError(f"{self.url}: reading failed {base.ATTEMPTS} times in a row at byte {self.offset} of "
                                f"{self.size}; last error: {type(err).__name__}: {err}") from None
-        time.sleep(storage.backoff_s(self.failures))
+        time.sleep(backoff_s(self.failures))
         self.body.close()
         self.body = self._get(self.offset, {"Range": self._range(self.offset), "IfMatch": self.etag})["Body"]
 

@@ -1,0 +1,46 @@
+"""What import-linter's contracts (pyproject.toml, `make test`) do not check: no module of clsys or data_prep
+uses another module's private name (``_name``), by ``from m import _name`` or by ``m._name``. A private name is
+free to change with its module; one used elsewhere made two modules one (storage's ``_s3_call`` in its S3
+reader, encoder's ``_quiet_transformers`` in long.py)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("clsys", "data_prep")
+
+
+def private_uses(path: Path) -> list[str]:
+    """``module.name`` for each private name of another module of ours that ``path`` uses."""
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}  # local name -> our module it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.module}.{alias.name}")
+                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PACKAGES:
+                    modules[alias.asname or alias.name.split(".")[0]] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    uses = {str(path.relative_to(REPO)): found for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))
+            if (found := private_uses(path))}
+    assert uses == {}
+
+
+def test_the_check_finds_both_forms(tmp_path):
+    """The check itself, on a module that does both."""
+    module = tmp_path / "m.py"
+    module.write_text("from clsys.model.loading import _hidden\nfrom clsys import storage\nstorage._s3_call()\n")
+    assert private_uses(module) == ["clsys.model.loading._hidden", "clsys.storage._s3_call"]
