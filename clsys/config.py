@@ -20,7 +20,6 @@ from pathlib import Path
 import yaml
 
 
-
 class ConfigError(ValueError):
     """A bad recipe or override; the message names the key (and the file)."""
 

@@ -90,7 +90,7 @@ def lossy_s3(s3_server, s3_bucket, monkeypatch):
     storage.forget_s3_clients()  # later tests get clients of the restored endpoint
 
 
-@pytest.mark.parametrize("retries", [storage.ATTEMPTS, 0])
+@pytest.mark.parametrize("retries", [storage.base.ATTEMPTS, 0])
 def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, monkeypatch, capsys):
     """Every third PUT (the create and the check of conditions pass) is applied by the server but its
     response never arrives: botocore sends the same If-Match PUT again and gets 412, as the lease it

@@ -96,7 +96,7 @@ def test_a_read_that_never_progresses_gives_up_naming_the_url(s3_bucket, proxied
     storage.write_bytes(url, b"x" * 10_000)
     monkeypatch.setattr(storage.base, "BACKOFF_S", 0.001)
     proxied(Fault("truncate", "GET", keep=0.0))  # headers, then not one byte
-    with pytest.raises(storage.StorageError, match=f"{url}: reading failed {storage.ATTEMPTS} times in a row at "
+    with pytest.raises(storage.StorageError, match=f"{url}: reading failed {storage.base.ATTEMPTS} times in a row at "
                                                    "byte 0 of 10000; last error"):
         storage.read_bytes(url)
 

@@ -194,16 +194,16 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(mem, monkeypatc
     assert storage.read_bytes(url) == b"data" and len(calls) == 3
 
     calls.clear()
-    monkeypatch.setattr(fs, "cat_file", failing([PermissionError("denied")] * storage.ATTEMPTS))
+    monkeypatch.setattr(fs, "cat_file", failing([PermissionError("denied")] * storage.base.ATTEMPTS))
     with pytest.raises(StorageError, match=f"^{url}: PermissionError: denied"):
         storage.read_bytes(url)
     assert len(calls) == 1
 
     calls.clear()
-    monkeypatch.setattr(fs, "cat_file", failing([ConnectionResetError("reset")] * storage.ATTEMPTS))
+    monkeypatch.setattr(fs, "cat_file", failing([ConnectionResetError("reset")] * storage.base.ATTEMPTS))
     with pytest.raises(StorageError, match=f"^{url}: ConnectionResetError: reset"):
         storage.read_bytes(url)
-    assert len(calls) == storage.ATTEMPTS
+    assert len(calls) == storage.base.ATTEMPTS
 
 
 def test_no_run_lease_without_compare_and_swap(mem):

@@ -14,7 +14,7 @@ StorageError's message always does.
 Other schemes go through fsspec (``fsspec_store.py`` says how they differ).
 
 Faults: botocore retries every request (connection reset, 500, 503 SlowDown, a response body cut
-short) up to ``ATTEMPTS`` times with backoff, uploads and multipart parts included. What it cannot
+short) up to ``base.ATTEMPTS`` times with backoff, uploads and multipart parts included. What it cannot
 retry is a GetObject body that breaks while the caller streams it; ``open_read`` resumes those
 with ranged GETs (``S3Reader``). Permanent errors (missing object or bucket, access denied, bad
 credentials) are not retried and raise StorageError naming the URL.
@@ -28,12 +28,13 @@ from typing import BinaryIO, Iterator
 
 from clsys.redaction import redact
 from clsys.storage import local
-from clsys.storage.base import ATTEMPTS, Location, StorageError, discard_staged
+from clsys.storage.base import Location, StorageError, discard_staged
 from clsys.storage.s3_client import forget_clients as forget_s3_clients, s3_client
 from clsys.storage.urls import backend, is_local, join, parse
 
+# The retry limits live in ``storage.base`` alone (read there at each use, so that tests can lower them).
 __all__ = [  # redact: how callers print a URL; s3_client and forget_s3_clients: S3's own calls (buckets, tests)
-    "ATTEMPTS", "Location", "StorageError", "check_bucket", "delete", "discard_staged", "download_dir", "download_file",
+    "Location", "StorageError", "check_bucket", "delete", "discard_staged", "download_dir", "download_file",
     "exists", "forget_s3_clients", "is_local", "join", "json_bytes", "list_prefix", "list_relative", "list_sizes",
     "open_read", "parallel_writes", "parse", "parse_json", "publish_staged", "read_bytes", "read_json", "redact",
     "s3_client", "size", "staging_path", "upload_dir", "upload_file", "write_bytes", "write_file", "write_json",
