@@ -6,7 +6,7 @@ Each step of CSS-LM's stage C scores every labelled query of the batch against t
 the frozen pair scorers C (class view u) and D (domain view v), then keeps the top K. Measured here,
 in one run on the same random bank (float32, CPU, all threads):
 
-- clsys: ``clsys.retrieval_bank.top_k``, the Linear on [query; row] split into one matmul per side
+- clsys: ``clsys.recipes.css_lm.bank.top_k``, the Linear on [query; row] split into one matmul per side
   and a broadcast sum, the bank scanned in chunks of 65,536 rows with a running top-k;
 - pair concat: what a direct implementation does (and the original's per-pair linear layer amounts
   to): form every [u_q; u_d] and [v_q; v_d] pair, apply the Linear, take top-k. It needs
@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clsys.retrieval_bank import RetrievalBank, top_k  # noqa: E402
+from clsys.recipes.css_lm.bank import RetrievalBank, top_k  # noqa: E402
 
 K = 16
 

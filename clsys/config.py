@@ -61,7 +61,7 @@ class ObjectiveConfig:
     that ``objective.name`` selects, so each objective declares exactly the keys it accepts.
     """
 
-    name: str = "simcse"  # simcse, self_guided, tacl, clir or css_lm; the other objective.* keys are its own
+    name: str = "simcse"  # the objective (clsys.recipes.OBJECTIVES); the other objective.* keys are its own
     grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
 
 
@@ -154,7 +154,8 @@ class EvalConfig:
 
 @dataclass
 class TaskConfig:
-    """A few-shot text-classification task (CSS-LM): files in a format ``clsys.data.labeled`` reads."""
+    """A few-shot text-classification task, for a recipe that trains a classifier: files in a format
+    ``clsys.data.labeled`` reads."""
 
     train: str = ""  # labelled training file (CSV/TSV/JSONL/"LABEL text"); the class names come from it
     dev: str = ""  # selects the epoch (accuracy)
@@ -170,7 +171,7 @@ class TaskConfig:
 
 @dataclass
 class CorpusConfig:
-    """The unlabeled corpus CSS-LM retrieves from: sentence shards written by ``data_prep wiki``."""
+    """The unlabeled corpus a retrieval recipe draws from: sentence shards written by ``data_prep wiki``."""
 
     url: str = ""  # the sentences stream (or the data_prep output root holding sentences/)
     bank_size: int = 40000  # bank rows: the first this many corpus sentences with >= min_tokens tokens

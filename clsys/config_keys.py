@@ -3,7 +3,7 @@
 One source for the docs' configuration reference (``docs/hooks/config_reference.py`` renders it as
 tables on every docs build) and for ``python -m clsys.pretrain --help``, so neither can drift from
 the code. Nested groups become dotted keys (``objective.grad_cache.chunk_size``); each objective's
-own config dataclass (the class ``objective.name`` selects through ``clsys.objectives.OBJECTIVES``)
+own config dataclass (the class ``objective.name`` selects through ``clsys.recipes.OBJECTIVES``)
 gives the ``objective.*`` keys of that objective.
 
 The meaning is the field's comment in the source, found with ``inspect`` + ``ast`` + ``tokenize``:
@@ -144,8 +144,7 @@ def sections() -> list[Section]:
     has), one section per objective with its own keys. Defaults from the dataclasses; the quickstart
     recipe's value beside them where it differs."""
     from clsys.config import Config, ObjectiveConfig
-    from clsys.recipes import load_config
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES, load_config
 
     quickstart = load_config("quickstart")
     defaults = Config()

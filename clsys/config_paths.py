@@ -30,7 +30,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 def resolve_local_paths(cfg: Config) -> None:
     """Make every local path in ``cfg`` absolute, in place; ConfigError names a key whose path names nothing."""
     # Where data is read or written: made absolute only. The run root need not exist yet, and the
-    # others are checked where they are read (check_data, resolve_resume, the CSS-LM corpus).
+    # others are checked where they are read (check_data, resolve_resume, corpus.url's recipe).
     cfg.data.url = _location(cfg.data.url)
     cfg.train.run_root = _location(cfg.train.run_root)
     if cfg.corpus.url:

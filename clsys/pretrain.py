@@ -16,11 +16,8 @@ step and stop; the driver then exits with code 75 and ``--resume latest`` contin
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import re
-import socket
 import sys
 import tempfile
 
@@ -35,17 +32,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 from clsys import integrity, storage  # noqa: E402
-from clsys.config import ClusterConfig, Config, ConfigError, run_url  # noqa: E402
+from clsys.config import Config, ConfigError, run_url  # noqa: E402
 from clsys.config_paths import resolve_local_paths  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
-from clsys.lease import LEASE, Lease  # noqa: E402
+from clsys.engine.launch import init_ray, save_config, train  # noqa: E402
+from clsys.lease import Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
-from clsys.recipes import load_config  # noqa: E402
+from clsys.recipes import HOMES, load_config  # noqa: E402
 
-# Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
-# visible in the dashboard): workers read them from their own environment / instance role.
-WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
-              "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "RAY_API_SERVER_ADDRESS")
+SEEDED = [name for name, home in HOMES.items() if home.runs_seeds]  # recipes that take --repeats N > 1
 
 
 def resolve_resume(cfg: Config, run: str) -> str | None:
@@ -86,184 +81,6 @@ def check_data(cfg: Config) -> str:
             name = cfg.model.tokenizer or cfg.model.name
             check_stream_tokenizer(stream, recorded, name, load_tokenizer(name), cfg.data.max_length)
     return ", ".join(streams)
-
-
-def init_ray(cfg: Config) -> None:
-    import ray
-
-    env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
-    if not cfg.cluster.use_gpu:
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    # Ray Train routes workers' print() through its logger, which reaches the console twice.
-    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    # Read by Ray Train's controller when a failed worker group shuts down: how long its process group
-    # gets to close before the workers are killed. A stuck rank never closes it, so every restart after
-    # one waited Ray's whole default (30 s) for nothing.
-    env["TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"] = str(cfg.cluster.group_shutdown_timeout_s)
-    env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.cluster.health_check_timeout_s)  # read there too
-    # Ray Train's preemption watcher is one more actor process per worker-group start (with a core-worker error
-    # line about its arguments on every start), and it only records a node's drain notice for a training function
-    # to ask about. clsys does not ask: a drained node's workers die with it and the run restarts from its last
-    # checkpoint, and a notice to the driver (SIGUSR1/SIGTERM) checkpoints at once (docs/operations/fault-tolerance.md).
-    env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-    # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
-    # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
-    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
-    env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
-    # Ray's notice that token authentication is on (docs/running/ray.md says so) came on every start.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
-        print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
-        warn_if_no_node_fits_a_worker(cfg.cluster, [node["Resources"] for node in ray.nodes() if node["Alive"]])
-        return
-    cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
-    # Ray Train's placement-group cleaner asks the State API (served by the dashboard) whether the
-    # run's controller is alive, and at the end of the run waits for its last answer. A worker finds
-    # the dashboard of a cluster that `ray.init` started only through RAY_API_SERVER_ADDRESS (else it
-    # tries the address of the last `ray start` on this machine, then 127.0.0.1:8265): without both,
-    # a warning every second, and where an old `ray start` left its address a 15 s wait and a "Failed
-    # to stop PlacementGroupCleaner" traceback at the end of every run.
-    port = free_loopback_port()
-    env["RAY_API_SERVER_ADDRESS"] = dashboard = f"http://127.0.0.1:{port}"
-    ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
-    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
-          "(set RAY_ADDRESS to join one)", flush=True)
-
-
-def warn_if_no_node_fits_a_worker(cluster: ClusterConfig, nodes: list[dict[str, float]]) -> None:
-    """Ray Train waits, silently, until a node has a worker's resources: say so when none has them now (an
-    autoscaler may still add one), e.g. workers of 2 CPUs on cluster/local.sh's 1-CPU nodes."""
-    need = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if cluster.use_gpu else {})}
-    if not any(all(node.get(key, 0) >= amount for key, amount in need.items()) for node in nodes):
-        most = max((node.get("CPU", 0) for node in nodes), default=0)
-        print(f"[clsys] warning: no node of this cluster has {need} for a worker (the most CPUs on a node: "
-              f"{most:g}); training waits until one joins. Set cluster.cpus_per_worker (and cluster.num_workers) "
-              "to what the nodes have.", file=sys.stderr, flush=True)
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the tests' servers take theirs from here too)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train(cfg: Config, resume: str | None, worker=None) -> None:
-    """One Ray Train run of ``worker`` (default: the step loop, ``clsys.engine.loop.train_worker``)."""
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchTrainer
-
-    from clsys.engine.failures import FailureReport
-    from clsys.engine.rendezvous import BoundStoreTorchConfig
-
-    if worker is None:
-        from clsys.engine.loop import train_worker as worker
-
-    c = cfg.cluster
-    run = run_url(cfg)
-    # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
-    # Not under the driver's working folder: `ray job submit` on several raylets of one machine replaces
-    # it while the driver runs (see main).
-    ray_dir = os.path.join(storage.parse(run).path, "ray") if storage.is_local(run) else \
-        os.path.join(tempfile.gettempdir(), "clsys-ray")
-    trainer = TorchTrainer(
-        worker,
-        train_loop_config={"config": cfg.to_dict(), "resume": resume},
-        # The collective watchdog: a rank stuck longer than this makes its peers' collectives fail,
-        # which fails the worker group and (with cluster.max_restarts) restarts it from a checkpoint.
-        torch_config=BoundStoreTorchConfig(backend="nccl" if c.use_gpu else "gloo",
-                                           timeout_s=c.collective_timeout_s),
-        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
-                                     resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
-        run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,
-                             failure_config=FailureConfig(max_failures=c.max_restarts),
-                             # Ray Train's own INFO lines (resource requests, worker group starts, process
-                             # group set-up) stay in its log files, off the console; warnings still show.
-                             logging_config=LoggingConfig(log_level="WARNING"),
-                             callbacks=[FailureReport()]),
-    )
-    try:
-        trainer.fit()
-    except TrainingFailedError as err:
-        # FailureReport has named each failed rank's error; Ray's text holds the full tracebacks.
-        raise RuntimeError(f"training failed after {c.max_restarts} restart(s): "
-                           f"{str(err).strip().splitlines()[0]}") from err
-
-
-def run_css_lm(cfg: Config, repeats: int) -> int:
-    """CSS-LM (or its fine-tuning baseline) for ``repeats`` seeds train.seed, +1, …: one Ray Train run
-    each (``clsys.engine.css_pipeline``), then test accuracy at the best dev epoch, mean ± std."""
-    import copy
-    import statistics
-
-    from clsys.data.corpus import resolve_corpus_stream
-    from clsys.shards.reader import load_shards
-    from clsys.data.epoch_layout import plan_epoch
-    from clsys.engine.css_pipeline import RESULT, css_lm_worker, load_task
-
-    try:
-        for key in ("train", "dev", "test"):
-            if not getattr(cfg.task, key):
-                raise ConfigError(f"task.{key}: set it to a labelled file (CSV/TSV/JSONL or 'LABEL text' lines)")
-        if cfg.train.resume not in ("", "latest"):
-            raise ConfigError("train.resume: css_lm resumes whole stages: '' or latest")
-        task = load_task(cfg, cfg.train.seed)  # every file read and checked before any worker starts
-        classes = len(task.train.label_names)
-        if cfg.objective.num_labels not in (0, classes):
-            raise ConfigError(f"objective.num_labels: {cfg.objective.num_labels}, but {cfg.task.train} has "
-                              f"{classes} classes")
-        cfg.objective.num_labels = classes
-        if cfg.objective.method == "css_lm":
-            corpus = resolve_corpus_stream(cfg.corpus.url)
-            plan_epoch(load_shards(corpus), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
-                       cfg.micro_batch * cfg.objective.domain_negatives)
-        runs = []
-        for i in range(repeats):
-            seeded = copy.deepcopy(cfg)
-            seeded.train.seed = cfg.train.seed + i
-            if repeats > 1:
-                seeded.train.name = f"{cfg.train.name}/seed-{seeded.train.seed}"
-            run = run_url(seeded)
-            storage.check_bucket(run)
-            # This driver's lease (and its lock file, on a filesystem) is not a sign of an earlier run.
-            earlier = (url for url in storage.list_prefix(run) if not url.rpartition("/")[2].startswith(LEASE))
-            if cfg.train.resume != "latest" and next(earlier, None) is not None:
-                raise ConfigError(f"{run} already exists: pass --resume latest to continue it (complete stages "
-                                  f"are kept), or choose another train.name")
-            runs.append((seeded, run))
-        for seeded, run in runs:
-            save_config(seeded, run)
-    except (ConfigError, storage.StorageError, FileNotFoundError, ValueError) as err:
-        print(f"error: {storage.redact(str(err))}", file=sys.stderr)
-        return 2
-
-    print(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
-          f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO-{cfg.train.zero_stage}")
-    init_ray(cfg)
-    results = []
-    for seeded, run in runs:
-        if storage.exists(storage.join(run, RESULT)):
-            print(storage.redact(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped"), flush=True)
-        else:
-            train(seeded, None, css_lm_worker)
-        results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})
-    tests = [r["test_accuracy"] for r in results]
-    summary = {"method": cfg.objective.method, "task": cfg.task.train, "shots": cfg.task.shots, "seeds": results,
-               "test_accuracy_mean": statistics.mean(tests),
-               "test_accuracy_std": statistics.stdev(tests) if len(tests) > 1 else 0.0}
-    storage.write_json(storage.join(run_url(cfg), "summary.json"), summary)
-    print(f"\n{'seed':>6} {'warm-up dev':>12} {'warm-up test':>13} {'dev':>8} {'test':>8}   (accuracy at the best dev epoch)")
-    for r in results:
-        print(f"{r['seed']:>6} {r['warmup']['dev_accuracy']:>12.4f} {r['warmup']['test_accuracy']:>13.4f} "
-              f"{r['dev_accuracy']:>8.4f} {r['test_accuracy']:>8.4f}")
-    print(storage.redact(f"\n[clsys] {cfg.objective.method}: test accuracy "
-                         f"{100 * summary['test_accuracy_mean']:.2f} ± {100 * summary['test_accuracy_std']:.2f} over "
-                         f"{len(tests)} seed(s); summary {storage.join(run_url(cfg), 'summary.json')}"))
-    classifier = storage.join(results[-1]["run"], "export")
-    print(storage.redact(f"  classifier:  python -m clsys.classify --model {classifier} FILE"))
-    return 0
 
 
 def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
@@ -322,11 +139,6 @@ def dotted_options_as_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def save_config(cfg: Config, run: str) -> None:
-    """The resolved config, as a recipe, at ``<run>/config.yaml``: what this start of the run uses."""
-    storage.write_bytes(storage.join(run, "config.yaml"), cfg.to_yaml().encode())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m clsys.pretrain", description="Train a text encoder with a bundled or own "
                      "recipe on Ray Train + DeepSpeed (no arguments: the quickstart).",
@@ -334,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="quickstart", help="recipe file or bundled recipe name (default: quickstart)")
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint URL (same as train.resume=...)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="css_lm: run this many seeds (train.seed, +1, ...) and report mean ± std")
+                        help=f"{' or '.join(SEEDED)}: run this many seeds (train.seed, +1, ...) and report mean ± std")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (a recipe, YAML) and exit without training")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards "
@@ -352,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
         resolve_local_paths(cfg)  # Ray Train workers do not run in the driver's folder: ship absolute paths
-        if args.repeats < 1 or (args.repeats > 1 and cfg.objective.name != "css_lm"):
-            raise ConfigError("--repeats: a number >= 1, and above 1 only for the css_lm recipe")
+        if args.repeats < 1 or (args.repeats > 1 and cfg.objective.name not in SEEDED):
+            raise ConfigError(f"--repeats: a number >= 1, and above 1 only for the {' or '.join(SEEDED)} recipe")
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
@@ -366,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     try:
-        if cfg.objective.name == "css_lm":
-            return run_css_lm(cfg, args.repeats)
+        if cfg.objective.name in HOMES:  # a recipe with a driver of its own (clsys.recipes.home)
+            return HOMES[cfg.objective.name].drive(cfg, args.repeats)
         return run_and_export(cfg, run, started_in)
     finally:
         run_lease.release()

@@ -9,7 +9,7 @@ its tar structure within the size limit, each sample's text member present and U
 - beside the shards (the default): shard names are file names, the folder is the stream;
 - elsewhere (``--out``, e.g. when the shards' bucket is read-only): shard names are absolute URLs.
 
-The stream's name is its folder's (``sentences`` for SimCSE, SG and CSS-LM, ``documents`` for TaCL);
+The stream's name is its folder's (``sentences`` for SimCSE, SG and a retrieval recipe's corpus, ``documents`` for TaCL);
 train with ``data.url`` = the folder's parent. Only the text member (``--text-member``) is ever read;
 other members (images, labels, other tools' json, pickles) are counted and skipped, never decoded.
 A bad shard stops the command, naming it and the reason, unless ``--skip-bad`` leaves it out (counted).

@@ -17,7 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from clsys.pretrain import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
+from clsys.engine.launch import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
 
 
 # The files of the ``slow`` tests (Ray clusters, DeepSpeed runs): two thirds of the suite's time, during which
@@ -236,7 +236,7 @@ def shared_ray():
 def loopback_ray_cluster(head_cpus: int):
     """A real Ray cluster (``ray.cluster_utils.Cluster``) on 127.0.0.1, its dashboard on a free port;
     yields (cluster, env), env being what a driver needs to join it: its address, and its dashboard's
-    for Ray Train's State API queries (see clsys.pretrain.init_ray)."""
+    for Ray Train's State API queries (see clsys.engine.launch.init_ray)."""
     from ray.cluster_utils import Cluster
 
     port = free_port()

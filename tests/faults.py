@@ -171,7 +171,7 @@ def flip_a_byte(url: str) -> None:
 def two_node_cluster(cpus_per_node: int = 1):
     """A head node with no CPUs (Ray Train's controller needs none) and two worker nodes, all on
     127.0.0.1; yields (cluster, [node, node], env), env being what a driver needs to join it (its
-    address, and its dashboard's for Ray Train's State API queries: see clsys.pretrain.init_ray).
+    address, and its dashboard's for Ray Train's State API queries: see clsys.engine.launch.init_ray).
     ``cluster.remove_node(node)`` kills a node's raylet and every worker process on it, like losing a
     machine."""
     import ray

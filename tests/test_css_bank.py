@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from clsys import storage
-from clsys.losses.pairwise import pair_logits, pairwise_same_label_loss
-from clsys.retrieval_bank import (GroupLayout, RetrievalBank, distributed_top_k, gather_texts, load_all, load_shard,
+from clsys.recipes.css_lm.pair_heads import pair_logits, pairwise_same_label_loss
+from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, gather_texts, load_all, load_shard,
                                   relevance_scores, retrieved_group, sample_rank_positions, save_shard, top_k,
                                   two_views)
 from conftest import free_port

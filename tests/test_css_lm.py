@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 
 from clsys.config import Config
 from clsys.model.encoder import load_tokenizer
-from clsys.objectives import OBJECTIVES
-from clsys.objectives.css_lm import CSSLM, CSSLMConfig
-from clsys.retrieval_bank import RetrievalBank, retrieved_group
+from clsys.recipes import OBJECTIVES
+from clsys.recipes.css_lm.objective import CSSLM, CSSLMConfig
+from clsys.recipes.css_lm.bank import RetrievalBank, retrieved_group
 from conftest import free_port
 
 D = 32  # hidden size of the tiny BERT
@@ -94,6 +94,32 @@ def test_registered_and_interface(tiny):
     assert logits.shape == (2, 3) and not logits.requires_grad and objective.training
     u, v = objective.encode_views(**objective.collate_corpus(CORPUS[:3]))
     assert u.shape == v.shape == (3, D) and not u.requires_grad
+
+
+def test_classify_finds_the_recipe_that_exported_a_classifier(tmp_path, monkeypatch):
+    """``python -m clsys.classify`` loads a folder with the loader of the recipe named in its classifier.json; a
+    folder exported before the recipe was recorded goes to the one recipe that exports classifiers; a recipe
+    that exports none is refused by name. (The loaders here stand in for the real one, which the CSS-LM
+    pipeline test runs on a trained export.)"""
+    import json
+
+    import clsys.classify as classify
+    from clsys.recipes import HOMES
+    from clsys.recipes.home import RecipeHome
+
+    assert HOMES["css_lm"].objective is CSSLM and HOMES["css_lm"].load_classifier is not None
+    monkeypatch.setattr(classify, "HOMES", {
+        "css_lm": RecipeHome(CSSLM, HOMES["css_lm"].drive, load_classifier=lambda folder: ("css_lm", folder)),
+        "simcse": RecipeHome(CSSLM, HOMES["css_lm"].drive)})
+    meta = tmp_path / "classifier.json"
+    meta.write_text(json.dumps({"labels": ["a", "b"], "max_length": 32, "recipe": "css_lm"}))
+    assert classify.load(str(tmp_path)) == ("css_lm", str(tmp_path))
+    meta.write_text(json.dumps({"labels": ["a", "b"], "max_length": 32}))
+    assert classify.load(f"file://{tmp_path}") == ("css_lm", str(tmp_path))
+    meta.write_text(json.dumps({"labels": ["a", "b"], "max_length": 32, "recipe": "simcse"}))
+    with pytest.raises(ValueError, match=r"classifier.json: recipe 'simcse' exports no classifier clsys knows "
+                                         r"\(recipes that do: css_lm\)"):
+        classify.load(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,11 +13,11 @@ import pytest
 
 from clsys import storage
 from clsys.recipes import load_config
-from clsys.data.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
-from clsys.engine.css_pipeline import epoch_rows, stage_config
+from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
+from clsys.recipes.css_lm.pipeline import epoch_rows, stage_config
 from clsys.model.encoder import load_tokenizer
 from clsys.pretrain import main as pretrain_main
-from clsys.retrieval_bank import load_all
+from clsys.recipes.css_lm.bank import load_all
 from test_pretrain import REPO, SAMPLE, run, tensorboard_scalars
 
 SST5 = REPO / "clsys" / "assets" / "labeled" / "sst5"

@@ -24,7 +24,7 @@ from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import load_tokenizer
 from clsys.model.loading import resolve_model_path
 from clsys.objectives.clir import CLIR
-from clsys.objectives.css_lm import CSSLM, CSSLMConfig
+from clsys.recipes.css_lm.objective import CSSLM, CSSLMConfig
 from clsys.objectives.simcse import SimCSE
 from clsys.objectives.tacl import TaCL
 from data_prep.tokenizer import SPECIALS, hf_tokenizer

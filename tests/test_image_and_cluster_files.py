@@ -167,17 +167,20 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
     """clsys.pretrain's ray.init(runtime_env=...) must merge with the job's runtime_env: Ray refuses a driver
     whose env_vars repeat one of the job's (ray/_private/worker.py, _merge_runtime_env), so the driver leaves
     out what the job already sets, here cluster/runtime_env.yaml and a job setting HF_HUB_OFFLINE/DS_ACCELERATOR."""
+    import importlib
+
     import ray
     from ray.runtime_env import RuntimeEnv
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
-    import clsys.pretrain as pretrain
+    from clsys.engine import launch
     from clsys.recipes import load_config
 
+    importlib.import_module("clsys.pretrain")  # the driver's module: its environment defaults, as the driver has them
     job_env = yaml.safe_load(RUNTIME_ENV.read_text())
     if job_sets_forwarded_vars:
         job_env["env_vars"] = {**job_env.get("env_vars", {}), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
-    for var in getattr(pretrain, "WORKER_ENV", ()):
+    for var in launch.WORKER_ENV:
         monkeypatch.delenv(var, raising=False)
     # The driver's environment: the image's ENV plus the job's env_vars (Ray sets them for the entrypoint),
     # and the job's config as the job supervisor passes it.
@@ -189,7 +192,7 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
     captured = {}
     monkeypatch.setattr(ray, "init", lambda *a, **kw: captured.update(kw))
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
-    pretrain.init_ray(load_config("quickstart"))
+    launch.init_ray(load_config("quickstart"))
     driver_env = RuntimeEnv(**captured["runtime_env"])
     assert _merge_runtime_env(RuntimeEnv(**job_env), driver_env) is not None
     assert "RAY_TRAIN_ENABLE_PRINT_PATCH" in driver_env["env_vars"]
@@ -201,7 +204,7 @@ def test_joining_a_cluster_without_a_node_for_a_worker_warns(capsys):
     """Workers of 2 CPUs (the quickstart's faster setting on 2 cores) on cluster/local.sh's 1-CPU nodes: Ray
     Train would wait without a word; the driver says why and what to set. A node with the resources is quiet."""
     from clsys.recipes import load_config
-    from clsys.pretrain import warn_if_no_node_fits_a_worker
+    from clsys.engine.launch import warn_if_no_node_fits_a_worker
 
     two_cpus = load_config("quickstart", ["cluster.num_workers=1", "cluster.cpus_per_worker=2"]).cluster
     gpu = load_config("quickstart", ["cluster.use_gpu=true"]).cluster

@@ -44,3 +44,36 @@ def test_the_check_finds_both_forms(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from clsys.model.loading import _hidden\nfrom clsys import storage\nstorage._s3_call()\n")
     assert private_uses(module) == ["clsys.model.loading._hidden", "clsys.storage._s3_call"]
+
+
+def recipe_mentions(path: Path, name: str, objective: type) -> list[int]:
+    """Lines of ``path`` that name the recipe ``name`` (as ``css_lm``, ``css-lm`` or ``csslm``, any case) or its
+    objective class."""
+    words = {name.lower(), name.lower().replace("_", "-"), name.lower().replace("_", ""), objective.__name__.lower()}
+    return [number for number, line in enumerate(path.read_text().splitlines(), 1)
+            if any(word in line.lower() for word in words)]
+
+
+def test_no_file_outside_a_recipe_home_names_that_recipe():
+    """A recipe with a driver of its own keeps everything of its own in ``clsys/recipes/<name>/``; the CLIs and the
+    registry find it by looking there, so nothing else branches on its name or reaches into its modules."""
+    from clsys.recipes import HOMES
+
+    assert HOMES, "no recipe home found: the registry's discovery is broken"
+    mentions = {}
+    for name, home in HOMES.items():
+        inside = REPO / "clsys" / "recipes" / name
+        for package in PACKAGES:
+            for path in sorted((REPO / package).rglob("*.py")):
+                if inside not in path.parents and (lines := recipe_mentions(path, name, home.objective)):
+                    mentions[f"{path.relative_to(REPO)} ({name})"] = lines
+    assert mentions == {}
+
+
+def test_the_recipe_check_finds_every_spelling(tmp_path):
+    class CSSLM:
+        pass
+
+    module = tmp_path / "m.py"
+    module.write_text("a = 'css_lm'\n# CSS-LM's bank\nb = 1\nfrom x import CSSLM\n")
+    assert recipe_mentions(module, "css_lm", CSSLM) == [1, 2, 4]

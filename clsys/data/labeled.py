@@ -1,4 +1,4 @@
-"""Labelled classification data for few-shot fine-tuning (CSS-LM, OBJECTIVES.md §3.4-3.6).
+"""Labelled classification data for few-shot fine-tuning (OBJECTIVES.md §3.4-3.6).
 
 Three file formats, told apart by extension and then by content:
 
@@ -191,7 +191,7 @@ def _word_rows(path: str, lines: list[str]) -> list[_Row]:
 
 
 def few_shot(data: LabeledSet, shots: int, seed: int) -> LabeledSet:
-    """``shots`` examples of every class, as CSS-LM's ``extract_instance.py`` draws them.
+    """``shots`` examples of every class, as the original few-shot code's ``extract_instance.py`` draws them.
 
     Classes are taken in label order; a class with at least ``shots`` examples gives a sample
     without replacement, a smaller one a sample with replacement (so every class has exactly

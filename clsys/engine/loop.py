@@ -20,7 +20,6 @@ import torch.distributed as dist
 from clsys import storage
 from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config, run_url
-from clsys.recipes import config_from_dict
 from clsys.engine import checkpoint
 from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
@@ -121,7 +120,9 @@ def _drop_sample_keys_after(run: str, step: int) -> None:
 
 
 def train_worker(payload: dict) -> None:
-    cfg = config_from_dict(payload["config"])
+    """The Ray Train worker function of the step loop; ``payload``: ``{"config": Config, "resume": URL or None}``
+    (``clsys.engine.launch.train``)."""
+    cfg = payload["config"]
     # Before the process group exists: DeepSpeed's backend keeps references to some collectives it finds then.
     clock = StepClock(torch.device("cuda" if cfg.cluster.use_gpu else "cpu"), cfg.train.profile)
     init_distributed()

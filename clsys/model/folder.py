@@ -3,7 +3,7 @@
 The encoder's Hugging Face weights (with a pooler for architectures that have one: ``with_pooler``) and its
 tokenizer, the sentence-transformers modules after the Transformer (``write_sentence_transformers``), optionally a
 reranker, and ``publish``: the finished folder put in place of an earlier export, whole or not at all. Used by
-``python -m clsys.export`` (a checkpoint → a folder) and by CSS-LM's export in its training workers; it knows
+``python -m clsys.export`` (a checkpoint → a folder) and by a recipe's own export in its training workers; it knows
 nothing of checkpoints.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
     if base:
         return {**weights, **base}, f"{base_model}'s, untrained"
     # BERT's initialisation of its pooler's dense layer, from a generator of its own: the caller's random
-    # state (a training worker's, for CSS-LM's export) stays as it was, and no whole model is built.
+    # state (a training worker's, for a recipe's own export) stays as it was, and no whole model is built.
     dim = config.hidden_size
     weight = torch.empty(dim, dim).normal_(0.0, getattr(config, "initializer_range", 0.02),
                                            generator=torch.Generator().manual_seed(0))
@@ -166,7 +166,7 @@ def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, 
 
 
 RECORD = "clsys_export.json"
-# The record every clsys export holds: clsys.export's, and CSS-LM's classifier (clsys.engine.css_pipeline).
+# The record every clsys export holds: clsys.export's, or a recipe's classifier's (python -m clsys.classify).
 EXPORT_RECORDS = (RECORD, "classifier.json")
 
 

@@ -1,17 +1,31 @@
 """Recipes: a YAML file that names an objective and its settings (bundled ones in ``clsys/configs``: quickstart,
-simcse_unsup, ...; or a path) → a checked ``Config``.
+simcse_unsup, ...; or a path) → a checked ``Config``; and the recipes that bring pieces of their own.
 
-This room knows the objectives (``clsys.objectives.OBJECTIVES``): it hands each one's config dataclass to
-``clsys.config``, which parses and checks but imports no objective, so that objectives can build on the config.
+This room knows the objectives: the step loop's (``clsys.objectives.OBJECTIVES``) and those of the recipe homes
+under it (``clsys/recipes/<name>/``, ``clsys.recipes.home``), found by looking at its own sub-packages. It hands
+each objective's config dataclass to ``clsys.config``, which parses and checks but imports no objective, so that
+objectives can build on the config.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
+from clsys import objectives
 from clsys.config import Config, ConfigError, ObjectiveConfig, parse_config, parse_config_dict
-from clsys.objectives import OBJECTIVES
+from clsys.objectives.base import Objective
+from clsys.recipes.home import RecipeHome
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
+
+HOMES: dict[str, RecipeHome] = {
+    module.name: importlib.import_module(f"{__name__}.{module.name}").HOME
+    for module in pkgutil.iter_modules(__path__) if module.ispkg
+}
+# Every objective a recipe can name: the step loop's and the homes'.
+OBJECTIVES: dict[str, type[Objective]] = {**objectives.OBJECTIVES,
+                                          **{name: home.objective for name, home in HOMES.items()}}
 
 
 def objective_configs() -> dict[str, type[ObjectiveConfig]]:
@@ -37,5 +51,5 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def config_from_dict(d: dict) -> Config:
-    """The inverse of ``Config.to_dict`` (used to ship the config to Ray workers and checkpoints)."""
+    """The inverse of ``Config.to_dict`` (a run's saved config, a checkpoint's)."""
     return parse_config_dict(d, objective_configs())

@@ -4,7 +4,7 @@ A MkDocs hook (``hooks:`` in mkdocs.yml). ``docs/reference/config.md`` holds the
 and the marker ``<!-- config-reference -->``; the hook replaces the marker with one table per section
 of ``clsys.config.Config`` (nested groups as dotted keys: ``objective.grad_cache.chunk_size``), and one
 per objective's own config dataclass (the class ``objective.name`` selects through
-``clsys.objectives.OBJECTIVES``). Each row: key, type (the annotation as written), default (from an
+``clsys.recipes.OBJECTIVES``). Each row: key, type (the annotation as written), default (from an
 instance of the dataclass; the quickstart recipe's value beside it where that differs), meaning.
 
 The rows (key, type, default, quickstart's value, meaning from the field's comment) come from

@@ -7,7 +7,7 @@ One worker group runs the whole recipe for one seed, every stage data-parallel o
      With ``objective.method: finetune`` this is the plain fine-tuning baseline and the recipe ends here.
   B  the bank: rank r encodes its contiguous slice of the first ``corpus.bank_size`` corpus sentences
      with >= ``corpus.min_tokens`` tokens using stage A's best model, and writes it as its shard
-     under ``<run>/bank/`` (``clsys.retrieval_bank``); in stage C it keeps just that shard in memory.
+     under ``<run>/bank/`` (``clsys.recipes.css_lm.bank``); in stage C it keeps just that shard in memory.
   C  CSS-LM training (``objective.stage: css``) from stage A's best weights, heads included, with C
      and D frozen: ``task.epochs`` epochs, dev and test after each; test is reported at the best
      dev epoch, whose model is exported to ``<run>/export/`` (encoder + task head + label names).
@@ -38,15 +38,14 @@ import torch.distributed as dist
 
 from clsys import storage
 from clsys.config import Config, run_url
-from clsys.recipes import config_from_dict
-from clsys.data.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
+from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
 from clsys.data.labeled import LabeledSet, few_shot, load_labeled
 from clsys.engine.deepspeed import build_engine, init_distributed
 from clsys.engine.loop import local_tensorboard_dir
 from clsys.metrics import TensorBoard
 from clsys.model.encoder import load_tokenizer
-from clsys.objectives.css_lm import CSSLM
-from clsys.retrieval_bank import RetrievalBank, load_shard, save_shard
+from clsys.recipes.css_lm.objective import CSSLM
+from clsys.recipes.css_lm.bank import RetrievalBank, load_shard, save_shard
 from clsys.tensorboard import LOG_FOLDER, EventSync
 
 RESULT = "result.json"
@@ -330,8 +329,8 @@ def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> Non
                     "cls", cfg.data.max_length, out, cfg.model.name if cfg.model.init == "pretrained" else "")
         save_weights(os.path.join(folder, "task_head.safetensors"), objective.task_head.state_dict())
         with open(os.path.join(folder, "classifier.json"), "w") as f:
-            json.dump({"labels": label_names, "max_length": cfg.data.max_length, "method": cfg.objective.method,
-                       "seed": cfg.train.seed}, f, indent=2)
+            json.dump({"labels": label_names, "max_length": cfg.data.max_length, "recipe": cfg.objective.name,
+                       "method": cfg.objective.method, "seed": cfg.train.seed}, f, indent=2)
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -340,4 +339,4 @@ def export_classifier(objective: CSSLM, label_names: list[str], out: str) -> Non
 def css_lm_worker(payload: dict) -> None:
     """The Ray Train worker function of ``python -m clsys.pretrain --config css_lm``."""
     init_distributed()
-    Worker(config_from_dict(payload["config"])).run()
+    Worker(payload["config"]).run()

@@ -8,7 +8,7 @@ on a concatenation is the sum of one matmul per concatenated part,
 
 so each side is projected once (M·2 numbers per view and side) and the pair logits are a
 broadcast sum, [M, N, 2]. The same decomposition scores a query batch against a retrieval bank
-(``clsys.retrieval_bank``).
+(``clsys.recipes.css_lm.bank``).
 """
 from __future__ import annotations
 

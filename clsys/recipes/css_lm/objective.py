@@ -2,14 +2,14 @@
 
 This is the objective core: the model, both stages' losses, the per-step retrieval and
 classification. Running stage A, building the bank (stage B), stage C and the per-epoch dev/test
-evaluation belong to the pipeline that drives it (``clsys.engine.css_pipeline``). ``method:
+evaluation belong to the pipeline that drives it (``clsys.recipes.css_lm.pipeline``). ``method:
 finetune`` is the plain fine-tuning baseline: stage A with the CE loss alone.
 
 Model (§3.2). Every input ``[CLS] x [SEP]`` (``<s> x </s>``) gives two views from the last layer
 (``two_views``): the class view u at the first token and the domain view v at the final separator.
 The task head classifies [u; v]; three pair scorers say "same class" / "same domain" (class 1):
 C on [u_a; u_b], D on [v_a; v_b], DC on [v_a; v_b; u_a; u_b]. Their losses are pairwise CE over
-all ordered pairs (``clsys.losses.pairwise``), not InfoNCE: the released code has no temperature.
+all ordered pairs (``clsys.recipes.css_lm.pair_heads``), not InfoNCE: the released code has no temperature.
 
 Stage A, ``stage: warmup`` (§3.4):  L_A = L_CE + L_DC^in + L_D^init + L_C^in.
 L_D^init is one CE averaged over all its pairs together: the B in-batch pairs [v_i; v_{B−1−i}]
@@ -31,7 +31,7 @@ Data parallel. Each rank holds one shard of the bank and its own micro-batch. Re
 the (detached) query views, runs ``distributed_top_k`` for the global batch and keeps this rank's
 rows, so a rank retrieves exactly what one process with the whole bank would. Query u is scored
 against bank u and v against bank v (the original's swapped bank views are not reproduced, see
-``clsys.retrieval_bank``). The group G, and so L_DC^out, spans this rank's micro-batch only
+``clsys.recipes.css_lm.bank``). The group G, and so L_DC^out, spans this rank's micro-batch only
 (|G| = B_local·(K + 1)): pairs across ranks would need views gathered with gradient. Labels are
 therefore not gathered: a pseudo-label is always one of this rank's own queries' labels.
 """
@@ -52,10 +52,10 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
-from clsys.losses.pairwise import pairwise_same_label_loss
+from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
 from clsys.objectives.base import LossOutput, Objective
-from clsys.retrieval_bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
+from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, top_k, two_views)
 
 STAGES = ("warmup", "css")

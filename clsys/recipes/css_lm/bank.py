@@ -11,7 +11,7 @@ Relevance (§3.4 step 2). With the frozen pair scorers C and D (``nn.Linear(2d �
 
 higher meaning more related (class 1 of a scorer is "same class" / "same domain"). Query u is
 paired with bank u and query v with bank v; the original bank files held the two views swapped
-(§3.7 gotcha 1), which we deliberately do not reproduce. ``clsys.losses.pairwise.pair_logits``
+(§3.7 gotcha 1), which we deliberately do not reproduce. ``clsys.recipes.css_lm.pair_heads.pair_logits``
 scores a query batch against a bank chunk without forming pairs: memory is B × chunk_rows × 2 logits.
 Score in float32 (queries and scorers): in bf16 many distinct rows would tie.
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clsys import storage
-from clsys.losses.pairwise import pair_logits
+from clsys.recipes.css_lm.pair_heads import pair_logits
 
 FORMAT = "clsys-retrieval-bank/1"
 _NO_ROW = torch.iinfo(torch.int64).max  # index of the padding a rank with fewer than k rows sends

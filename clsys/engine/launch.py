@@ -1,0 +1,131 @@
+"""Running a config on Ray Train: join or start the Ray cluster, then one TorchTrainer run of a worker function.
+
+What every driver shares (``clsys.pretrain`` for the step loop, a recipe's own driver for its stages): the
+workers' environment, Ray on loopback when this process starts the cluster, the run's failure policy and the
+collective watchdog. The workers get the resolved ``Config`` itself in ``train_loop_config["config"]``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+
+from clsys import storage
+from clsys.config import ClusterConfig, Config, run_url
+
+# Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
+# visible in the dashboard): workers read them from their own environment / instance role.
+WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
+              "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "RAY_API_SERVER_ADDRESS")
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
+    if not cfg.cluster.use_gpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    # Ray Train routes workers' print() through its logger, which reaches the console twice.
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # Read by Ray Train's controller when a failed worker group shuts down: how long its process group
+    # gets to close before the workers are killed. A stuck rank never closes it, so every restart after
+    # one waited Ray's whole default (30 s) for nothing.
+    env["TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"] = str(cfg.cluster.group_shutdown_timeout_s)
+    env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.cluster.health_check_timeout_s)  # read there too
+    # Ray Train's preemption watcher is one more actor process per worker-group start (with a core-worker error
+    # line about its arguments on every start), and it only records a node's drain notice for a training function
+    # to ask about. clsys does not ask: a drained node's workers die with it and the run restarts from its last
+    # checkpoint, and a notice to the driver (SIGUSR1/SIGTERM) checkpoints at once (docs/operations/fault-tolerance.md).
+    env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    # Under `ray job submit`, variables the job's runtime_env sets already reach every worker, and
+    # Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env").
+    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
+    # Ray's notice that token authentication is on (docs/running/ray.md says so) came on every start.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+        warn_if_no_node_fits_a_worker(cfg.cluster, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+        return
+    cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
+    # Ray Train's placement-group cleaner asks the State API (served by the dashboard) whether the
+    # run's controller is alive, and at the end of the run waits for its last answer. A worker finds
+    # the dashboard of a cluster that `ray.init` started only through RAY_API_SERVER_ADDRESS (else it
+    # tries the address of the last `ray start` on this machine, then 127.0.0.1:8265): without both,
+    # a warning every second, and where an old `ray start` left its address a 15 s wait and a "Failed
+    # to stop PlacementGroupCleaner" traceback at the end of every run.
+    port = free_loopback_port()
+    env["RAY_API_SERVER_ADDRESS"] = dashboard = f"http://127.0.0.1:{port}"
+    ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=port, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
+          "(set RAY_ADDRESS to join one)", flush=True)
+
+
+def warn_if_no_node_fits_a_worker(cluster: ClusterConfig, nodes: list[dict[str, float]]) -> None:
+    """Ray Train waits, silently, until a node has a worker's resources: say so when none has them now (an
+    autoscaler may still add one), e.g. workers of 2 CPUs on cluster/local.sh's 1-CPU nodes."""
+    need = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if cluster.use_gpu else {})}
+    if not any(all(node.get(key, 0) >= amount for key, amount in need.items()) for node in nodes):
+        most = max((node.get("CPU", 0) for node in nodes), default=0)
+        print(f"[clsys] warning: no node of this cluster has {need} for a worker (the most CPUs on a node: "
+              f"{most:g}); training waits until one joins. Set cluster.cpus_per_worker (and cluster.num_workers) "
+              "to what the nodes have.", file=sys.stderr, flush=True)
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tests' servers take theirs from here too)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(cfg: Config, resume: str | None, worker=None) -> None:
+    """One Ray Train run of ``worker`` (default: the step loop, ``clsys.engine.loop.train_worker``)."""
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchTrainer
+
+    from clsys.engine.failures import FailureReport
+    from clsys.engine.rendezvous import BoundStoreTorchConfig
+
+    if worker is None:
+        from clsys.engine.loop import train_worker as worker
+
+    c = cfg.cluster
+    run = run_url(cfg)
+    # Ray keeps its own bookkeeping here; our checkpoints go to the run's storage (clsys.engine.checkpoint).
+    # Not under the driver's working folder: `ray job submit` on several raylets of one machine replaces
+    # it while the driver runs (see main).
+    ray_dir = os.path.join(storage.parse(run).path, "ray") if storage.is_local(run) else \
+        os.path.join(tempfile.gettempdir(), "clsys-ray")
+    trainer = TorchTrainer(
+        worker,
+        train_loop_config={"config": cfg, "resume": resume},
+        # The collective watchdog: a rank stuck longer than this makes its peers' collectives fail,
+        # which fails the worker group and (with cluster.max_restarts) restarts it from a checkpoint.
+        torch_config=BoundStoreTorchConfig(backend="nccl" if c.use_gpu else "gloo",
+                                           timeout_s=c.collective_timeout_s),
+        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=c.use_gpu,
+                                     resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}),
+        run_config=RunConfig(name=cfg.train.name.replace("/", "-"), storage_path=ray_dir,
+                             failure_config=FailureConfig(max_failures=c.max_restarts),
+                             # Ray Train's own INFO lines (resource requests, worker group starts, process
+                             # group set-up) stay in its log files, off the console; warnings still show.
+                             logging_config=LoggingConfig(log_level="WARNING"),
+                             callbacks=[FailureReport()]),
+    )
+    try:
+        trainer.fit()
+    except TrainingFailedError as err:
+        # FailureReport has named each failed rank's error; Ray's text holds the full tracebacks.
+        raise RuntimeError(f"training failed after {c.max_restarts} restart(s): "
+                           f"{str(err).strip().splitlines()[0]}") from err
+
+
+def save_config(cfg: Config, run: str) -> None:
+    """The resolved config, as a recipe, at ``<run>/config.yaml``: what this start of the run uses."""
+    storage.write_bytes(storage.join(run, "config.yaml"), cfg.to_yaml().encode())
