@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
-from clsys.retrieval import evaluate_tatoeba, evaluate_xquad, hf_reranker, parse_articles  # noqa: E402
+from clsys.eval.retrieval import evaluate_tatoeba, evaluate_xquad, hf_reranker, parse_articles  # noqa: E402
 
 E5_DIR = REPO / "runs" / "models" / "multilingual-e5-small"
 FIXTURES = REPO / "tests" / "data" / "clir"

@@ -40,9 +40,9 @@ sys.path.insert(0, str(REPO))
 
 from clsys import storage  # noqa: E402
 from clsys.shards.reader import load_shards, read_shard  # noqa: E402
-from clsys.evaluate import evaluate_sts  # noqa: E402
+from clsys.eval.sts import evaluate_sts  # noqa: E402
 from clsys.model.encoder import load_encoder, load_tokenizer  # noqa: E402
-from clsys.sts_data import load_sts, resolve_sts  # noqa: E402
+from clsys.eval.sts_data import load_sts, resolve_sts  # noqa: E402
 from clsys.shards.writer import ShardWriter  # noqa: E402
 from sample_data import sample_shards  # noqa: E402
 

@@ -13,6 +13,7 @@ import os
 import re
 import types
 import typing
+from typing import Literal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,8 @@ class DataConfig:
     shuffle_buffer: int = 2048  # samples held per loader worker for shuffling
     loader_workers: int = 1  # DataLoader worker processes per training rank
     verify_checksums: bool = True  # compare each shard's sha256 with the manifest before using any of its samples
-    on_bad_sample: str = "error"  # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
+    # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
+    on_bad_sample: Literal["error", "skip"] = "error"
     max_shard_mb: int = 1024  # the most MiB a shard's tar may take in a loader worker (a .tar.gz's decompressed)
     length_group_batches: int = 0  # K > 0: sort each window of K micro-batches by text length (less padding)
 
@@ -41,11 +43,13 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "all-MiniLM-L6-v2"  # packaged alias, local folder, or a hub id the user has cached
-    init: str = "pretrained"  # pretrained weights of model.name, or scratch: model.name is just the architecture
+    # pretrained weights of model.name, or scratch: model.name is just the architecture
+    init: Literal["pretrained", "scratch"] = "pretrained"
     tokenizer: str = ""  # tokenizer folder/URL (e.g. from data_prep tokenizer); "" = model.name's own
     dropout: float | None = None  # overrides hidden and attention dropout when set (SimCSE needs > 0)
     packed: bool = True  # encoder forwards without pad tokens (clsys/model/packing.py); false: padded batches
-    packed_attention: str = "padded"  # packed rows' attention product: padded (one masked SDPA call) or nested
+    # packed rows' attention product: padded (one masked SDPA call) or nested
+    packed_attention: Literal["padded", "nested"] = "padded"
 
 
 @dataclass
@@ -72,7 +76,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     warmup_steps: int = 0  # linear warm-up steps
-    schedule: str = "linear"  # linear (decay to 0 at the last step) or constant
+    schedule: Literal["linear", "constant"] = "linear"  # linear (decay to 0 at the last step) or constant
     grad_clip: float = 1.0  # gradient-norm clipping
     head_lr: float = 0.0  # > 0: learning rate of the objective's task heads (e.g. CLIR's new RR classifier); 0: lr
 
@@ -93,9 +97,9 @@ class TrainConfig:
     # DeepSpeed's bf16 mode (weights and gradients in bf16, an fp32 master copy in the optimizer: less memory);
     # auto: bf16 where the worker's device has bf16 matrix units, else fp32 (clsys.engine.deepspeed.step_precision):
     # the default, so that a GPU (or a CPU with AVX512-BF16/AMX) steps in bf16 without being asked
-    precision: str = "auto"
+    precision: Literal["fp32", "bf16", "bf16_weights", "auto"] = "auto"
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
-    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
+    zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage 0-3
     log_every: int = 10  # TensorBoard/console logging interval (steps)
     # Collapse alarm: train/uniformity above this (toward 0, where every embedding is the same point) logs
     # health/collapse 1 and warns on the console; 0 turns it off.
@@ -149,7 +153,7 @@ class EvalConfig:
     # Best checkpoint: the evaluation metric that picks it (sts_dev = the sts_dev set's Spearman, or a
     # logged eval metric such as xquad_en-de_mrr@10; "" = export the last checkpoint), and its direction.
     select: str = "sts_dev"  # the eval metric that picks the best checkpoint (sts_dev or a logged one); "" = the last
-    select_mode: str = "max"  # max or min: which direction of eval.select is better
+    select_mode: Literal["max", "min"] = "max"  # max or min: which direction of eval.select is better
 
 
 @dataclass
@@ -233,9 +237,6 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by cluster.num_workers × train.grad_accum "
                 f"= {self.cluster.num_workers} × {t.grad_accum}")
         checks = [
-            ("train.precision", t.precision in ("fp32", "bf16", "bf16_weights", "auto"),
-             "fp32, bf16, bf16_weights or auto"),
-            ("train.zero_stage", t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
             ("train.steps", t.steps > 0, "> 0"),
             ("train.ckpt_every", t.ckpt_every > 0, "> 0"),
             ("train.log_every", t.log_every > 0, "> 0"),
@@ -243,13 +244,10 @@ class Config:
             ("train.keep_checkpoints", t.keep_checkpoints > 0, "> 0"),
             ("train.collapse_uniformity", t.collapse_uniformity <= 0, "<= 0 (0 = off; uniformity is at most 0)"),
             ("train.peak_tflops", t.peak_tflops >= 0, ">= 0 (0 = the data-sheet peak of a known GPU)"),
-            ("model.init", self.model.init in ("pretrained", "scratch"), "pretrained or scratch"),
-            ("model.packed_attention", self.model.packed_attention in ("padded", "nested"), "padded or nested"),
             ("model.packed_attention", not (t.compile and self.model.packed and self.model.packed_attention == "nested"),
              "padded with train.compile (torch.compile fails on the nested kernel's backward)"),
             ("model.tokenizer", self.model.init == "pretrained" or bool(self.model.tokenizer),
              "a tokenizer folder when model.init is scratch"),
-            ("optim.schedule", self.optim.schedule in ("linear", "constant"), "linear or constant"),
             ("optim.head_lr", self.optim.head_lr >= 0, ">= 0 (0 = optim.lr)"),
             ("objective.grad_cache.chunk_size", self.objective.grad_cache.chunk_size >= 0, ">= 0 (0 = off)"),
             ("cluster.num_workers", self.cluster.num_workers > 0, "> 0"),
@@ -259,8 +257,6 @@ class Config:
             ("cluster.lease_ttl_s", self.cluster.lease_ttl_s >= 0, ">= 0 (0 = no lease)"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
-            ("data.on_bad_sample", self.data.on_bad_sample in ("error", "skip"), "error or skip"),
-            ("eval.select_mode", self.eval.select_mode in ("max", "min"), "max or min"),
             ("eval.select", self.eval.select in ("", "sts_dev") or bool(self.eval.sts_dev or self.eval.xling
                                                                          or self.eval.tatoeba),
              "'' or sts_dev when nothing is evaluated during training (eval.sts_dev, eval.xling, eval.tatoeba)"),
@@ -286,9 +282,21 @@ class Config:
         return self.train.batch_size // (self.cluster.num_workers * self.train.grad_accum)
 
 
+def choices(values: tuple) -> str:
+    """A closed set as the errors and the reference write it: ``a, b or c``."""
+    names = [str(v) for v in values]
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+
+
 def _coerce(key: str, value, tp):
     """Convert ``value`` (from YAML or a CLI string) to the annotated type ``tp``, or fail naming ``key``."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:  # a closed set: the value in the set's type (str or int), and one of them
+        allowed = typing.get_args(tp)
+        converted = _coerce(key, value, type(allowed[0]))
+        if converted not in allowed:
+            raise ConfigError(f"{key}: expected {choices(allowed)}, got {value!r}")
+        return converted
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):

@@ -21,6 +21,7 @@ import json
 import re
 import textwrap
 import tokenize
+import typing
 from pathlib import Path
 
 import yaml
@@ -110,9 +111,30 @@ def walk(obj, prefix: str, recipe=None, skip: frozenset[str] = frozenset()) -> l
         if dataclasses.is_dataclass(value):
             rows += walk(value, key, other if other is not dataclasses.MISSING else None)
             continue
-        rows.append(Row(key, f.type if isinstance(f.type, str) else _type_name(f.type), value,
-                        other if other != value else dataclasses.MISSING, meaning(type(obj), f.name, key)))
+        resolved = typing.get_type_hints(type(obj))[f.name]
+        meaning_text = meaning(type(obj), f.name, key)
+        if values := closed_set(resolved):
+            each = "each one" if typing.get_origin(resolved) is list else "one"
+            meaning_text = f"{meaning_text} ({each} of {' | '.join(map(str, values))})"
+        rows.append(Row(key, type_text(f.type, resolved), value, other if other != value else dataclasses.MISSING,
+                        meaning_text))
     return rows
+
+
+def closed_set(tp) -> tuple:
+    """The values of a closed set (``Literal``, or a list of one), else ()."""
+    if typing.get_origin(tp) is list:
+        tp = typing.get_args(tp)[0]
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
+
+
+def type_text(written, resolved) -> str:
+    """A key's type as the reference shows it: as written, but a closed set (``Literal``, whatever alias names it)
+    as the type of its values (``str``, ``int``, ``list[str]``), the values going after the meaning."""
+    if values := closed_set(resolved):
+        name = type(values[0]).__name__
+        return f"list[{name}]" if typing.get_origin(resolved) is list else name
+    return written if isinstance(written, str) else _type_name(written)
 
 
 def _type_name(tp) -> str:

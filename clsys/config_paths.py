@@ -102,9 +102,9 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def _sts_set(key: str, value: str) -> str:
-    from clsys.sts_data import bundled_sts
+    from clsys.eval.sts_data import bundled_sts
 
-    # A path first, as clsys.sts_data.resolve_sts reads one.
+    # A path first, as clsys.eval.sts_data.resolve_sts reads one.
     found = _existing(value)
     if found is not None:
         return found
@@ -114,9 +114,9 @@ def _sts_set(key: str, value: str) -> str:
 
 
 def _tatoeba_pair(value: str) -> str:
-    from clsys.retrieval import TATOEBA_PREFIX, bundled_tatoeba, tatoeba_files
+    from clsys.eval.retrieval import TATOEBA_PREFIX, bundled_tatoeba, tatoeba_files
 
-    # A bundled pair first, as clsys.retrieval.load_tatoeba reads one.
+    # A bundled pair first, as clsys.eval.retrieval.load_tatoeba reads one.
     if value in bundled_tatoeba():
         return value
     found = _existing(value, lambda prefix: tatoeba_files(prefix) is not None)

@@ -4,14 +4,10 @@ An STS set is a list of sentence pairs with human similarity scores (0-5). The e
 score for a pair is the cosine similarity of the two sentence embeddings; the result is
 the Spearman (and Pearson) correlation with the human scores, x 100, as papers report it.
 
-Library use (the trainer calls this on rank 0 for dev evaluation):
-    sts = load_sts(resolve_sts("stsb-en-dev"))  # both from clsys.sts_data
-    evaluate_sts(hf_encoder, tokenizer, sts, pooling="cls")  # {"spearman", "pearson", "n"}
-
-Cross-lingual retrieval (XQuAD, Tatoeba) lives in clsys.retrieval; this CLI runs both kinds.
-
-STS files come in several layouts, and a folder is a SentEval year or a suite of sets whose average
-is reported as SimCSE does (clsys.sts_data).
+The scoring itself lives in the evaluation room, ``clsys/eval/``: STS in ``clsys.eval.sts`` (the trainer calls
+it on rank 0 for dev evaluation), cross-lingual retrieval (XQuAD, Tatoeba) in ``clsys.eval.retrieval``; this
+CLI runs both kinds. STS files come in several layouts, and a folder is a SentEval year or a suite of sets
+whose average is reported as SimCSE does (``clsys.eval.sts_data``).
 
 CLI:
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --sts stsb-en-test,korsts-test --pooling cls,mean
@@ -22,7 +18,6 @@ CLI:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -30,44 +25,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from scipy.stats import pearsonr, spearmanr
 from torch import nn
 
-from clsys.model.encoder import POOLINGS, embed, load_encoder, load_tokenizer
+from clsys.eval.sts import evaluate_sts
+from clsys.model.encoder import POOLINGS, load_encoder, load_tokenizer
 from clsys.model.loading import resolve_model_path
-from clsys.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
+from clsys.eval.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
                              load_tatoeba, parse_articles, xquad_pair)
-from clsys.sts_data import StsSet, bundled_sts, read_sts
-
-
-def correlations(pred: list[float], gold: list[float]) -> tuple[float, float]:
-    """(Spearman, Pearson) x 100; scipy ranks ties by their average rank."""
-    return 100 * float(spearmanr(pred, gold).statistic), 100 * float(pearsonr(pred, gold).statistic)
-
-
-def evaluate_sts(model: nn.Module, tokenizer, sts: StsSet, pooling: str, batch_size: int = 64,
-                 max_length: int = 128) -> dict[str, Any]:
-    """Spearman/Pearson x 100 of cosine(embedding(sent1), embedding(sent2)) against the gold scores."""
-    # STS sets repeat sentences across pairs, so each distinct sentence is embedded once; longest
-    # first so that every batch pads to a similar length (``embed`` pads to the batch's longest).
-    unique = sorted(dict.fromkeys(sts.sent1 + sts.sent2), key=len, reverse=True)
-    index = {s: i for i, s in enumerate(unique)}
-    emb = embed(model, tokenizer, unique, pooling, batch_size, max_length).double()
-    a = emb[[index[s] for s in sts.sent1]]
-    b = emb[[index[s] for s in sts.sent2]]
-    # A NaN embedding (e.g. a diverged checkpoint) counts as "unrelated" instead of poisoning the ranks.
-    cosine = F.cosine_similarity(a, b, dim=-1).nan_to_num(0.0)
-    spearman, pearson = correlations(cosine.tolist(), sts.scores)
-    result = {"spearman": spearman, "pearson": pearson, "n": len(sts.scores)}
-    if len(sts.subsets) > 1:
-        # A SentEval year: "all" (above, SimCSE's figure) and the per-subset averages other papers report.
-        counts = [count for _, count in sts.subsets]
-        bounds = list(itertools.accumulate(counts, initial=0))
-        per_subset = [correlations(cosine[a:b].tolist(), sts.scores[a:b])[0] for a, b in itertools.pairwise(bounds)]
-        result["spearman_mean"] = sum(per_subset) / len(per_subset)
-        result["spearman_wmean"] = sum(r * c for r, c in zip(per_subset, counts)) / sum(counts)
-    return result
+from clsys.eval.sts_data import StsSet, bundled_sts, read_sts
 
 
 def _xling_pair(spec: str) -> tuple[str, str]:

@@ -4,7 +4,7 @@ The folder loads with ``transformers.AutoModel.from_pretrained`` (BERT-like mode
 the trained head where the objective exports one into it, else the base model's, untouched by
 training) and with ``sentence_transformers.SentenceTransformer`` (modules.json,
 config_sentence_transformers.json, the pooling the objective uses at inference); its README.md is a
-model card (``clsys.model_card``). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds
+model card (``clsys.model.card``). Works from any ZeRO stage: DeepSpeed's own consolidation rebuilds
 full fp32 weights from the per-rank shards. ``--checkpoint`` is ``best`` or ``latest`` of ``--run``, a step folder, or a
 run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
 The choice is printed and recorded in the folder's ``clsys_export.json``.
@@ -25,12 +25,13 @@ import tempfile
 
 import torch
 
-from clsys import integrity, storage
+from clsys import storage
+from clsys.storage import integrity
 from clsys.engine.checkpoint import latest_checkpoint, listed_apart, required_files, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model.folder import (RECORD, check_replaceable, encoder_weights, publish, source_max_seq_length,
                                 write_model, write_reranker)
-from clsys.model_card import write_card
+from clsys.model.card import write_card
 
 
 def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str]:

@@ -31,12 +31,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rank 0's steps. The run's own lines are each rank's news, printed as they come.
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
-from clsys import integrity, storage  # noqa: E402
+from clsys import storage  # noqa: E402
+from clsys.storage import integrity  # noqa: E402
 from clsys.config import Config, ConfigError, run_url  # noqa: E402
 from clsys.config_paths import resolve_local_paths  # noqa: E402
 from clsys.engine import checkpoint  # noqa: E402
 from clsys.engine.launch import init_ray, save_config, train  # noqa: E402
-from clsys.lease import Lease  # noqa: E402
+from clsys.storage.lease import Lease  # noqa: E402
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
 from clsys.recipes import HOMES, load_config  # noqa: E402
 
@@ -86,9 +87,9 @@ def check_data(cfg: Config) -> str:
 def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
     """STS test scores of the base model and of the exported one, for each requested pooling; printed,
     and returned with the table's title."""
-    from clsys.evaluate import evaluate_sts
+    from clsys.eval.sts import evaluate_sts
     from clsys.model.encoder import load_encoder, load_tokenizer
-    from clsys.sts_data import load_sts, resolve_sts
+    from clsys.eval.sts_data import load_sts, resolve_sts
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
     if sts.note:
@@ -232,7 +233,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
             if not storage.is_local(exported):
                 storage.download_dir(exported, local)
             title, rows = compare_on_sts(cfg, storage.parse(exported).path if storage.is_local(exported) else local)
-        from clsys.model_card import add_evaluation
+        from clsys.model.card import add_evaluation
 
         add_evaluation(exported, title, rows)  # the figures travel with the model, in its card
 

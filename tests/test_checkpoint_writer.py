@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from clsys import integrity, storage
+from clsys import storage
+from clsys.storage import integrity
 from tests.conftest import RankCheckpoints, free_port
 
 

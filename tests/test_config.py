@@ -134,6 +134,31 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("recipe, key, bad, good, message", [
+    (None, "train.zero_stage", "4", "3", "expected 0, 1, 2 or 3, got '4'"),
+    (None, "data.on_bad_sample", "ignore", "skip", "expected error or skip, got 'ignore'"),
+    (None, "train.precision", "16", "bf16", "expected fp32, bf16, bf16_weights or auto, got '16'"),
+    ("sg_opt", "objective.loss", "sg_plus", "opt1", "expected sg, opt1, opt2 or sg_opt, got 'sg_plus'"),
+    ("quickstart", "objective.pooler", "first", "mean", "expected cls_mlp, cls, mean or max, got 'first'"),
+    ("clir", "objective.tasks", "[qlm, mlm]", "[rr]", "expected qlm or rr, got 'mlm'"),
+    ("css_lm", "objective.stage", "both", "css", "expected warmup or css, got 'both'"),
+])
+def test_closed_sets_refuse_any_other_value_naming_the_key_and_the_set(recipe, key, bad, good, message):
+    """A closed set (a Literal-typed key) is checked as the config is read, in the driver: the key, every value it
+    takes and the one given; not in a worker, once the objective is built. A value of the set passes."""
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: {message}")):
+        load_config(recipe, [f"{key}={bad}"])
+    assert load_config(recipe, [f"{key}={good}"])
+
+
+def test_a_closed_set_in_a_recipe_file_names_the_file(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  precision: fp16\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{recipe}: train.precision: expected fp32, bf16, bf16_weights "
+                                                    "or auto, got 'fp16'")):
+        load_config(str(recipe))
+
+
 def test_compile_refuses_the_nested_packed_attention():
     with pytest.raises(ConfigError, match=re.escape("model.packed_attention: expected padded with train.compile")):
         load_config(None, ["train.compile=true", "model.packed_attention=nested"])

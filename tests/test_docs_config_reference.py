@@ -57,6 +57,11 @@ def test_every_key_with_type_default_and_meaning(gen):
     assert "### `objective.name: clir` {#objective-clir}" in text
     assert "| `objective.pairs` | `list[str]` | `[en-de]` |" in text
     assert "sg \\| opt1 \\| opt2 \\| sg_opt" in text  # a pipe in a comment does not split the row
+    # a closed set (Literal): its values' type, and the values after the meaning, whatever alias names the set
+    assert "without being asked (one of fp32 \\| bf16 \\| bf16_weights \\| auto) |" in text
+    assert ("| `objective.export_pooling` | `str` | `mean` | bi-encoder pooling of the exported encoder "
+            "(one of cls \\| mean \\| max) |") in text
+    assert "| `objective.tasks` | `list[str]` | `[qlm, rr]` |" in text and "(each one of qlm \\| rr) |" in text
 
 
 def test_meanings_from_trailing_and_leading_comments_nested_keys():

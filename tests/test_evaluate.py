@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from clsys.evaluate import correlations, evaluate_sts
+from clsys.eval.sts import correlations, evaluate_sts
 from clsys.model.encoder import load_encoder, load_tokenizer
-from clsys.sts_data import STS_ASSETS, load_sts, read_sts, resolve_sts
+from clsys.eval.sts_data import STS_ASSETS, load_sts, read_sts, resolve_sts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_full_sick_is_scored_on_the_split_its_semeval_set_column_marks_and_says_
 
 def test_the_trainer_evaluates_on_the_trial_split_of_sick_txt():
     from clsys.recipes import load_config
-    from clsys.engine.loop import _dev_set
+    from clsys.engine.evaluator import dev_set as _dev_set
 
     dev = _dev_set(load_config(None, [f"eval.sts_dev={SUITE / 'SICK' / 'SICK.txt'}"]))
     assert (dev.sent1, dev.scores) == SICK_TRIAL

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from clsys import storage
 from clsys.export import main
-from clsys.integrity import check_folder
+from clsys.storage.integrity import check_folder
 from tests.conftest import RankCheckpoints, free_port
 
 

@@ -20,8 +20,9 @@ from typing import Callable
 import pytest
 import torch.multiprocessing as mp
 
-from clsys import integrity, storage
-from clsys.integrity import SUMS, IntegrityError
+from clsys import storage
+from clsys.storage import integrity
+from clsys.storage.integrity import SUMS, IntegrityError
 from faults import flip_a_byte
 from tests.conftest import RankCheckpoints, free_port
 

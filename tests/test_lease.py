@@ -16,11 +16,11 @@ from s3_fault_proxy import Fault, FaultProxy
 
 from clsys import storage
 from clsys.storage import compare_and_swap
-from clsys.lease import LEASE, Lease, LeaseHeld
+from clsys.storage.lease import LEASE, Lease, LeaseHeld
 
 HOLD = """
 import sys, time
-from clsys.lease import Lease
+from clsys.storage.lease import Lease
 Lease(sys.argv[1], float(sys.argv[2])).acquire()
 print("held", flush=True)
 time.sleep(60)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clsys.recipes import load_config
-from clsys.metrics import TensorBoard, collapsed
+from clsys.metrics.health import TensorBoard, collapsed
 
 
 def test_config_in_the_text_and_hparams_panels(tmp_path):
@@ -49,7 +49,7 @@ def test_encoder_train_flops_match_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import BertConfig, BertModel
 
-    from clsys.metrics import encoder_train_flops
+    from clsys.metrics.health import encoder_train_flops
 
     config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                         intermediate_size=256, max_position_embeddings=64, attn_implementation="sdpa")
@@ -69,8 +69,8 @@ def test_encoder_train_flops_match_torch_flop_counter():
 
 
 def test_throughput_reports_per_device_rates_tflops_and_mfu(monkeypatch):
-    from clsys import metrics
-    from clsys.metrics import Throughput, peak_tflops
+    from clsys.metrics import health as metrics
+    from clsys.metrics.health import Throughput, peak_tflops
 
     clock = itertools.chain([100.0], itertools.repeat(102.0))  # the meter starts at 100 s, rates() at 102 s
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))

@@ -1,4 +1,4 @@
-"""The exported folder's model card (clsys/model_card.py) and clsys.evaluate's pooling taken from a folder."""
+"""The exported folder's model card (clsys/model/card.py) and clsys.evaluate's pooling taken from a folder."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import yaml
 
 from clsys.recipes import load_config
 from clsys.evaluate import folder_pooling
-from clsys.model_card import add_evaluation, write_card
+from clsys.model.card import add_evaluation, write_card
 
 
 def test_card_says_what_was_trained_and_carries_the_evaluation(tmp_path):

@@ -1,4 +1,4 @@
-"""clsys.retrieval: metrics, re-ranking merge, XQuAD/Tatoeba loading, all-MiniLM-L6-v2 sanity, the CLI."""
+"""clsys.eval.retrieval: metrics, re-ranking merge, XQuAD/Tatoeba loading, all-MiniLM-L6-v2 sanity, the CLI."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import torch
 
 from clsys.evaluate import main
 from clsys.model.encoder import load_encoder, load_tokenizer
-from clsys.retrieval import (HELD_OUT_ARTICLES, XQUAD_ASSETS, evaluate_tatoeba, evaluate_xquad, gold_ranks,
+from clsys.eval.retrieval import (HELD_OUT_ARTICLES, XQUAD_ASSETS, evaluate_tatoeba, evaluate_xquad, gold_ranks,
                              hf_reranker, load_tatoeba, load_xquad, parse_articles, rerank, retrieval_metrics,
                              xquad_pair)
 

@@ -18,7 +18,7 @@ import pytest
 from clsys import storage
 from clsys.storage import compare_and_swap, fsspec_store
 from clsys.shards.reader import ShardError, load_shards, read_shard
-from clsys.lease import Lease
+from clsys.storage.lease import Lease
 from clsys.storage import StorageError
 from clsys.shards.manifest import read_manifest
 

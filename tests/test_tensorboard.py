@@ -13,7 +13,8 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from clsys import storage
-from clsys.tensorboard import EventSync, pull
+from clsys.metrics.event_sync import EventSync
+from clsys.tensorboard import pull
 from conftest import free_port
 from test_pretrain import REPO, tensorboard_scalars
 

@@ -57,14 +57,17 @@ import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from clsys import storage
+from clsys.config import Config
 from clsys.data.batch_transport import PackedBatch, unpack
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
+from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
@@ -380,3 +383,20 @@ class SegmentReader:
         if self.batches is not None:
             self.batches._shutdown_workers()
             self.batches = None
+
+
+class DataSide(Protocol):
+    """What a loader's worker processes run for an objective (``Objective.data_side``)."""
+
+    def collate(self, samples: list[dict]) -> dict: ...
+
+    def sample_lengths(self, samples: list[dict]) -> list[int]: ...
+
+
+def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSide) -> ShardLoader:
+    """A ``ShardLoader`` over the stream ``stream`` (``sentences``, ``clir/en-de``, …) under ``data.url``, configured
+    by the ``data`` section, collating with ``data``: the loader an objective's ``loader`` asks for, per stream."""
+    d = cfg.data
+    return ShardLoader(storage.join(d.url, stream), rank, world, cfg.micro_batch, data.collate, cfg.train.seed,
+                       d.loader_workers, d.shuffle_buffer, d.verify_checksums, d.on_bad_sample, d.length_group_batches,
+                       data.sample_lengths, stream_kind(stream), d.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu)

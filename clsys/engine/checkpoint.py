@@ -7,7 +7,7 @@ Layout, one folder per step:
         hf/                    model config + tokenizer, so that export needs nothing else
         clsys_state.json       step, world size, config, export pooling
         ranks/rank-00000 ...   each rank's "uploaded" marker: the checksums of its files
-        SHA256SUMS             sha256 of every file above but the markers (clsys.integrity), merged from them
+        SHA256SUMS             sha256 of every file above but the markers (clsys.storage.integrity), merged from them
         COMPLETE               written last, by rank 0, after every rank has uploaded: SHA256SUMS's sha256
 Written by ``clsys.engine.checkpoint_writer`` (in the background while training goes on, by default).
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
@@ -43,9 +43,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from clsys import integrity, storage
+from clsys import storage
+from clsys.storage import integrity
 from clsys.engine.deepspeed import plain_data_parallel
-from clsys.integrity import SEAL, SUMS
+from clsys.storage.integrity import SEAL, SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
 RANK_MARKERS = "ranks"  # <checkpoint>/ranks/rank-NNNNN: that rank's files uploaded, with their checksums

@@ -17,7 +17,7 @@ they go to the temporary folder and are uploaded from there.
 The thread runs no collective (the training loop's collectives own the process group): each rank
 announces its finished upload with a marker object ``ranks/rank-NNNNN`` holding its files' checksums;
 rank 0's thread, once every rank's marker is there, writes SHA256SUMS and then COMPLETE (still last,
-holding SHA256SUMS's own sha256: ``clsys.integrity``),
+holding SHA256SUMS's own sha256: ``clsys.storage.integrity``),
 prunes old checkpoints and runs the completion callback (best.json, the console line). At most one
 checkpoint is in flight: the next save, and the end of training (``wait``), first wait for the previous
 one, and an error of a writing thread is raised there, in the training loop. A process that dies before
@@ -43,9 +43,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from clsys import integrity, storage
+from clsys import storage
+from clsys.storage import integrity
 from clsys.engine.checkpoint import RANK_MARKERS, delete_checkpoint, prune, step_url
-from clsys.integrity import SEAL, SUMS
+from clsys.storage.integrity import SEAL, SUMS
 
 MARKER_POLL_S = 0.2
 

@@ -4,7 +4,7 @@ The loop marks the end of each phase of a micro-step: waiting for the loader, th
 backward passes, the optimizer step. Collectives (the gradient reduction of ZeRO, the embedding
 gathers of in-batch negatives) are timed one by one and counted as ``communication``, not in the
 phase they ran in. What is left of a logging interval (metrics, TensorBoard,
-evaluation, checkpoints) is ``other`` (``clsys.metrics.Throughput``).
+evaluation, checkpoints) is ``other`` (``clsys.metrics.health.Throughput``).
 
 On a GPU every mark and every collective first synchronises the device, so each phase is charged
 for its own kernels; that costs some overlap, which is why profiling is off by default. On a CPU

@@ -11,12 +11,16 @@ from __future__ import annotations
 import os
 import tempfile
 
+import typing
+from typing import Literal
+
 import torch
 from torch import nn
 
 from clsys.model.loading import checked_model_path, quiet_transformers, resolve_model_path, without_pooler
 
-POOLINGS = ("cls", "mean", "max")
+Pooling = Literal["cls", "mean", "max"]  # what a sentence embedding is made of
+POOLINGS: tuple[str, ...] = typing.get_args(Pooling)
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, kind: str) -> torch.Tensor:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from clsys import integrity, storage
+from clsys import storage
+from clsys.storage import integrity
 from clsys.model.encoder import encoder_from_config, pooler_weights, with_global_attention
 from clsys.model.loading import POOLER_MODEL_TYPES, resolve_model_path
 
@@ -155,7 +156,7 @@ def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: 
 
 def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, tokenizer_dir: str) -> None:
     """The objective's relevance head with the encoder as a 2-label ``AutoModelForSequenceClassification``
-    in ``folder`` (scores are its logit 1, see ``clsys.retrieval.hf_reranker``)."""
+    in ``folder`` (scores are its logit 1, see ``clsys.eval.retrieval.hf_reranker``)."""
     from transformers import AutoModelForSequenceClassification
 
     model = with_global_attention(AutoModelForSequenceClassification.from_config(

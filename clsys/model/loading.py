@@ -25,7 +25,7 @@ def resolve_model_path(name: str) -> str:
 def checked_model_path(name: str) -> str:
     """``resolve_model_path(name)``, checked against the folder's SHA256SUMS when it has one (a clsys
     export does): IntegrityError names the files that differ."""
-    from clsys.integrity import check_folder
+    from clsys.storage.integrity import check_folder
 
     path = resolve_model_path(name)
     if os.path.isdir(path):

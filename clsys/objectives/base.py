@@ -65,22 +65,13 @@ class Objective(nn.Module):
     def loader(self, cfg: Config, rank: int, world: int):
         """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position).
 
-        One stream: a ``ShardLoader`` that collates with ``collate``. Objectives that mix streams override it.
+        One stream: ``clsys.data.streaming.stream_loader`` with this objective's data side. Objectives that mix
+        streams override it.
         """
+        from clsys.data.streaming import stream_loader
+
         (stream,) = self.streams(cfg)
-        return self.shard_loader(cfg, stream, rank, world)
-
-    def shard_loader(self, cfg: Config, stream: str, rank: int, world: int):
-        """A ``ShardLoader`` over one stream under ``data.url``, configured by the ``data`` section."""
-        from clsys import storage
-        from clsys.shards.fields import stream_kind
-        from clsys.data.streaming import ShardLoader
-
-        data = self.data_side()
-        return ShardLoader(storage.join(cfg.data.url, stream), rank, world, cfg.micro_batch, data.collate,
-                           cfg.train.seed, cfg.data.loader_workers, cfg.data.shuffle_buffer, cfg.data.verify_checksums,
-                           cfg.data.on_bad_sample, cfg.data.length_group_batches, data.sample_lengths,
-                           stream_kind(stream), cfg.data.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu)
+        return stream_loader(cfg, stream, rank, world, self.data_side())
 
     def data_side(self) -> Objective:
         """A copy of the objective's data side only (configuration, tokenizer, masker, …): what the loader's

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,18 +44,15 @@ from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_n
 
 @dataclass
 class SelfGuidedConfig(ObjectiveConfig):
-    loss: str = "sg_opt"  # sg | opt1 | opt2 | sg_opt (§5.2)
+    loss: Literal["sg", "opt1", "opt2", "sg_opt"] = "sg_opt"  # which loss (§5.2)
     temperature: float = 0.01  # τ (§5.3)
-    layer_pooling: str = "max"  # BERT_F layers over non-pad tokens: max (paper) or mean (code default), §5.5.1
+    # BERT_F layers over non-pad tokens: max (paper) or mean (code default), §5.5.1
+    layer_pooling: Literal["max", "mean"] = "max"
     projection_dim: int = 4096  # width of the shared head f (§5.1)
     reg_weight: float = 0.1  # λ of the L2 regulariser (§5.2)
     freeze_embeddings: bool = True  # BERT_T's embedding layer stays fixed (`--freeze`, §5.1)
     frozen_dropout: bool = False  # BERT_F in train mode (dropout on), as the original code runs it (§5.5.2, §6.2)
     gather: bool = False  # candidates from all ranks (see the module docstring)
-
-
-LOSSES = ("sg", "opt1", "opt2", "sg_opt")
-LAYER_POOLINGS = ("max", "mean")
 
 
 class ProjectionHead(nn.Module):
@@ -150,10 +147,6 @@ class SelfGuided(Objective):
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: SelfGuidedConfig = cfg.objective
-        if oc.loss not in LOSSES:
-            raise ValueError(f"objective.loss: unknown loss '{oc.loss}' (choose from {', '.join(LOSSES)})")
-        if oc.layer_pooling not in LAYER_POOLINGS:
-            raise ValueError(f"objective.layer_pooling: expected max or mean, got '{oc.layer_pooling}'")
         if cfg.train.zero_stage == 3:
             # L_reg reads whole parameter tensors outside their modules' forward; ZeRO-3 partitions them.
             raise ValueError("objective self_guided: train.zero_stage 3 is not supported (use 0-2)")

@@ -14,7 +14,7 @@ Loss: asymmetric InfoNCE (anchors against the candidates of the global batch) wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
-from clsys.model.encoder import POOLINGS, build_encoder, build_masked_lm, pool
+from clsys.model.encoder import Pooling, build_encoder, build_masked_lm, pool
 from clsys.model.loading import POOLER_MODEL_TYPES
 from clsys.objectives.base import LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
@@ -31,8 +31,9 @@ from clsys.objectives.contrastive import alignment_uniformity, info_nce
 @dataclass
 class SimCSEConfig(ObjectiveConfig):
     temperature: float = 0.05  # τ of the InfoNCE loss (§2.2)
-    pooler: str = "cls_mlp"  # training pooling: cls_mlp (fresh Linear+tanh on CLS) or cls/mean/max
-    export_pooling: str = "cls"  # inference pooling of the exported encoder (SimCSE: raw CLS)
+    # training pooling: cls_mlp (fresh Linear+tanh on CLS) or cls/mean/max
+    pooler: Literal["cls_mlp", Pooling] = "cls_mlp"
+    export_pooling: Literal["cls_mlp", Pooling] = "cls"  # inference pooling of the exported encoder (SimCSE: raw CLS)
     gather: bool = True  # negatives from the global batch (all ranks) rather than the local one
     supervised: bool = False  # NLI triplets with hard negatives (§2.3) instead of dropout views of sentences
     hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (§2.3; supervised only)
@@ -72,10 +73,6 @@ class SimCSE(Objective):
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: SimCSEConfig = cfg.objective
-        if oc.pooler not in ("cls_mlp", *POOLINGS):
-            raise ValueError(f"objective.pooler: unknown pooling '{oc.pooler}'")
-        if oc.export_pooling not in ("cls_mlp", *POOLINGS):
-            raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
         if oc.export_pooling == "cls_mlp" and not (oc.supervised and oc.pooler == "cls_mlp"):
             # §2.9.3: unsupervised SimCSE drops the MLP at inference on purpose; supervised keeps it.
             raise ValueError("objective.export_pooling: cls_mlp keeps the training MLP at inference, which "

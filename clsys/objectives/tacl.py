@@ -29,7 +29,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
-from clsys.model.encoder import POOLINGS, build_bert_pretraining, build_masked_lm
+from clsys.model.encoder import Pooling, build_bert_pretraining, build_masked_lm
 from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import cosine_logits
 
@@ -43,7 +43,7 @@ class TaCLConfig(ObjectiveConfig):
     contrastive_weight: float = 1.0  # weight of the token-level contrastive loss (§1.5: 1)
     pad_negatives: bool = False  # fixed-length padding with pads in the denominator (faithful)
     teacher_dropout: bool = False  # run the frozen teacher in train mode (faithful) instead of eval
-    export_pooling: str = "cls"  # pooling written to the exported sentence-transformers folder
+    export_pooling: Pooling = "cls"  # pooling written to the exported sentence-transformers folder
     nsp_weight: float = 0.0  # > 0: add next-sentence prediction on sentence pairs (original: 1.0)
 
 
@@ -105,8 +105,6 @@ class TaCL(Objective):
     def __init__(self, cfg: Config, tokenizer):
         super().__init__(cfg, tokenizer)
         oc: TaCLConfig = cfg.objective
-        if oc.export_pooling not in POOLINGS:
-            raise ValueError(f"objective.export_pooling: unknown pooling '{oc.export_pooling}'")
         if oc.pad_negatives and cfg.model.packed:
             raise ValueError("objective.pad_negatives: contrasts the pad tokens' representations, which a packed "
                              "forward does not compute; set model.packed: false")

@@ -6,7 +6,7 @@ with ``data.on_bad_sample: skip``, else a ShardError naming the shard and the sa
 KeyError or AttributeError in a loader worker that names neither.
 
 A stream's kind is the first part of its name under ``data.url`` (``stream_kind``), which the objective
-reading it gives (``Objective.shard_loader``): ``sentences`` (SimCSE, SG, a retrieval recipe's corpus), ``documents`` (TaCL),
+reading it gives (``clsys.data.streaming.stream_loader``): ``sentences`` (SimCSE, SG, a retrieval recipe's corpus), ``documents`` (TaCL),
 ``triplets`` (supervised SimCSE), ``clir/<pair>`` (CLIR). Every sample's json is an object; a kind adds
 the fields its objective reads. Fields not listed are neither checked nor read. A foreign stream's
 samples (``data_prep manifest``) have no metadata: their json is ``{}``.

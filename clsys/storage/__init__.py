@@ -8,7 +8,7 @@ implementing ``base.Backend``: ``local.py`` (atomic writes by rename, compare-an
 ``fsspec_store.py`` (every other scheme fsspec knows); ``compare_and_swap.py`` for the run lease. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
 nothing here logs them. A URL may carry a secret of another scheme's (a token as its user name, a
-signed query): what clsys prints of a URL goes through ``redact`` (``clsys/redaction.py``), and a
+signed query): what clsys prints of a URL goes through ``redact`` (``clsys/storage/redaction.py``), and a
 StorageError's message always does.
 
 Other schemes go through fsspec (``fsspec_store.py`` says how they differ).
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from clsys.redaction import redact
+from clsys.storage.redaction import redact
 from clsys.storage import local
 from clsys.storage.base import Location, StorageError, discard_staged
 from clsys.storage.s3_client import forget_clients as forget_s3_clients, s3_client

@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from clsys.redaction import redact
+from clsys.storage.redaction import redact
 
 # Read where they are used, at the time (tests lower them).
 ATTEMPTS = 8  # tries per request (botocore), per download part (s3transfer), per stalled read (S3Reader)

@@ -1,4 +1,4 @@
-"""Compare-and-swap on one object, what the run lease (``clsys.lease``) is built on: read an object with a
+"""Compare-and-swap on one object, what the run lease (``clsys.storage.lease``) is built on: read an object with a
 version tag, write or delete it only if it is still at that version (or, to create it, absent). On S3 the
 tag is the ETag and the condition goes with the request (``If-None-Match: *``, ``If-Match``); a local (or
 NFS) file gets a tag from its content and is compared and written under an exclusive lock. Other schemes

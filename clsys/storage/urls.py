@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from clsys.redaction import userinfo_end
+from clsys.storage.redaction import userinfo_end
 from clsys.storage.base import Backend, Location, StorageError
 from clsys.storage.fsspec_store import Fsspec, check_scheme
 from clsys.storage.local import LocalFiles

@@ -14,7 +14,7 @@ from clsys import storage
 from clsys.config import Config, ConfigError, run_url
 from clsys.data.epoch_layout import plan_epoch
 from clsys.engine.launch import init_ray, save_config, train
-from clsys.lease import LEASE
+from clsys.storage.lease import LEASE
 from clsys.recipes.css_lm.corpus import resolve_corpus_stream
 from clsys.recipes.css_lm.pipeline import RESULT, css_lm_worker, load_task
 from clsys.shards.reader import load_shards

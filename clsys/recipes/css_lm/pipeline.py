@@ -42,11 +42,11 @@ from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_co
 from clsys.data.labeled import LabeledSet, few_shot, load_labeled
 from clsys.engine.deepspeed import build_engine, init_distributed
 from clsys.engine.loop import local_tensorboard_dir
-from clsys.metrics import TensorBoard
+from clsys.metrics.health import TensorBoard
 from clsys.model.encoder import load_tokenizer
 from clsys.recipes.css_lm.objective import CSSLM
 from clsys.recipes.css_lm.bank import RetrievalBank, load_shard, save_shard
-from clsys.tensorboard import LOG_FOLDER, EventSync
+from clsys.metrics.event_sync import LOG_FOLDER, EventSync
 
 RESULT = "result.json"
 

@@ -38,8 +38,8 @@ from clsys.model.encoder import embed, load_tokenizer
 from clsys.model.loading import resolve_model_path
 
 # Unmodified XQuAD (en, de, es, ru, zh) and Tatoeba (LASER v1) files; origin and licences in LICENSE.md there.
-XQUAD_ASSETS = Path(__file__).parent / "assets" / "xquad"
-TATOEBA_ASSETS = Path(__file__).parent / "assets" / "tatoeba"
+XQUAD_ASSETS = Path(__file__).parents[1] / "assets" / "xquad"
+TATOEBA_ASSETS = Path(__file__).parents[1] / "assets" / "tatoeba"
 
 HELD_OUT_ARTICLES = slice(24, 48)
 MRR_CUTOFF = 10

@@ -35,7 +35,7 @@ from pathlib import Path
 from clsys.data.labeled import jsonl_records
 
 # Bundled dev/test splits of stsb-multi-mt (en, de) and KorSTS; origin and licences in LICENSE.md there.
-STS_ASSETS = Path(__file__).parent / "assets" / "sts"
+STS_ASSETS = Path(__file__).parents[1] / "assets" / "sts"
 
 SENTEVAL_INPUT = re.compile(r"STS\.input\.(.+)\.txt$")
 SENTEVAL_GOLD = re.compile(r"STS\.gs\.(.+)\.txt$")
