@@ -47,7 +47,7 @@ def _rank(rank: int, port: int, batch: int, chunk: int, zero: int, texts: list[s
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.grad_cache import grad_cache_backward
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config("quickstart", [f"train.batch_size={batch}", f"cluster.num_workers={WORLD}",
@@ -83,7 +83,7 @@ def _float64_check(rank: int, port: int, batch: int, chunk: int, texts: list[str
     from clsys.recipes import load_config
     from clsys.engine.grad_cache import grad_cache
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     cfg = load_config("quickstart", [f"train.batch_size={batch}", f"cluster.num_workers={WORLD}", "model.dropout=0"])

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from clsys.recipes import load_config  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
-from clsys.objectives import OBJECTIVES  # noqa: E402
+from clsys.recipes import OBJECTIVES  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from sample_data import sample_shards  # noqa: E402
@@ -63,8 +63,7 @@ def main() -> None:
     cfg = load_config("quickstart", ["data.max_length=32", *MODELS[args.model]])
     torch.manual_seed(0)
     objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name))
-    data_side = objective.data_side()
-    loader = ShardLoader(url, 0, 1, args.batch, data_side.collate, seed=0, loader_workers=args.workers)
+    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=args.workers)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=3e-5)
     objective.train()
 

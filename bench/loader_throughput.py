@@ -37,7 +37,7 @@ from clsys import storage  # noqa: E402
 from clsys.recipes import load_config  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
-from clsys.objectives import OBJECTIVES  # noqa: E402
+from clsys.recipes import OBJECTIVES  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from sample_data import sample_shards  # noqa: E402
@@ -64,8 +64,8 @@ def moto_server() -> tuple[subprocess.Popen, str]:
 
 def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
     """(seconds to the first batch, samples/s over the next --batches batches)."""
-    data_side = objective.data_side()  # what training hands the loader's worker processes
-    loader = ShardLoader(url, 0, 1, args.batch, data_side.collate, seed=0, loader_workers=workers)
+    # What training hands the loader's worker processes: the objective's data spec.
+    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=workers)
     start = time.perf_counter()
     batches = iter(loader)
     next(batches)
@@ -81,9 +81,8 @@ def training_rate(url: str, objective, args, length_group: int) -> tuple[float, 
     """(samples/s of one rank's training steps, share of the batches' tokens that are padding). The timed
     batches are the loader's first --steps: whole windows when --steps is a multiple of --length-group
     (within a window batch lengths differ, so part of one is a biased sample)."""
-    data_side = objective.data_side()
-    loader = ShardLoader(url, 0, 1, args.batch, data_side.collate, seed=0, loader_workers=1,
-                         length_group=length_group, lengths=data_side.sample_lengths)
+    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=1,
+                         length_group=length_group, lengths=objective.data.sample_lengths)
     batches = iter(loader)
     held = [next(batches) for _ in range(args.steps)]
     del batches

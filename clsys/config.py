@@ -288,14 +288,35 @@ def choices(values: tuple) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
+def closed_set_problem(key: str, value, tp) -> str | None:
+    """Why ``value`` is not one of the closed set ``tp`` (a ``Literal``, or a list of one), or None."""
+    if typing.get_origin(tp) is list:
+        return next(filter(None, (closed_set_problem(key, item, typing.get_args(tp)[0]) for item in value)), None)
+    allowed = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+    if allowed is None or any(type(value) is type(a) and value == a for a in allowed):  # True is not 1 here
+        return None
+    return f"{key}: expected {choices(allowed)}, got {value!r}"
+
+
+def check_closed_sets(section, prefix: str) -> None:
+    """ConfigError naming the first key of the dataclass ``section`` (nested groups included) whose value is not
+    in its closed set: for configs built in Python, which no parsing checked (an objective checks its own)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_closed_sets(value, key)
+        elif problem := closed_set_problem(key, value, hints[f.name]):
+            raise ConfigError(problem)
+
+
 def _coerce(key: str, value, tp):
     """Convert ``value`` (from YAML or a CLI string) to the annotated type ``tp``, or fail naming ``key``."""
     origin = typing.get_origin(tp)
     if origin is typing.Literal:  # a closed set: the value in the set's type (str or int), and one of them
-        allowed = typing.get_args(tp)
-        converted = _coerce(key, value, type(allowed[0]))
-        if converted not in allowed:
-            raise ConfigError(f"{key}: expected {choices(allowed)}, got {value!r}")
+        converted = _coerce(key, value, type(typing.get_args(tp)[0]))
+        if problem := closed_set_problem(key, converted, tp):
+            raise ConfigError(problem)
         return converted
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -135,7 +135,7 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 @pytest.mark.parametrize("recipe, key, bad, good, message", [
-    (None, "train.zero_stage", "4", "3", "expected 0, 1, 2 or 3, got '4'"),
+    (None, "train.zero_stage", "4", "3", "expected 0, 1, 2 or 3, got 4"),
     (None, "data.on_bad_sample", "ignore", "skip", "expected error or skip, got 'ignore'"),
     (None, "train.precision", "16", "bf16", "expected fp32, bf16, bf16_weights or auto, got '16'"),
     ("sg_opt", "objective.loss", "sg_plus", "opt1", "expected sg, opt1, opt2 or sg_opt, got 'sg_plus'"),

@@ -32,7 +32,7 @@ def _step(rank: int, port: int, tiny: str, overrides: list[str], out: dict) -> N
     from clsys.recipes import load_config
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",

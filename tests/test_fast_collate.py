@@ -193,7 +193,7 @@ def test_a_tokenizer_class_that_adds_to_the_call_keeps_the_hf_call():
 
 @pytest.mark.parametrize("kind", ["minilm", "slow_bert"])
 def test_pickled_and_copied_batchers_give_the_same_batches(kind, tmp_path):
-    """The collate travels to the loader workers pickled (and data_side deep-copies it), before or after its
+    """The collate travels to the loader workers pickled (and may be deep-copied), before or after its
     configured backend copy and framing were built."""
     tokenizer = build_tokenizer(kind, tmp_path)
     texts = random_batches(7)[-1]
@@ -236,4 +236,4 @@ def test_objectives_collate_what_their_hf_calls_gave(tiny_bert_with_heads):
     assert_same(css.collate_corpus(texts), expected)
 
     clir = CLIR(load_config("clir", [*model, "objective.keep_weight=1.0"]), tokenizer)
-    assert_same(clir.keep_texts(texts), hf_call(tokenizer, texts, 24, return_token_type_ids=True))
+    assert_same(clir.data.keep_texts(texts), hf_call(tokenizer, texts, 24, return_token_type_ids=True))

@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
     from clsys.recipes import load_config
     from clsys.engine.grad_cache import grad_cache, grad_cache_backward, split_rows
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
     from clsys.objectives.base import add_losses, add_row_loss
 
     if engine_kind == "torch":
@@ -159,7 +159,7 @@ def test_deepspeed_zero_gradient_equals_the_plain_step(tiny, objective_kind, zer
 def test_objectives_without_an_in_batch_loss_refuse_grad_cache(tiny):
     from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     cfg = load_config(None, ["objective.name=tacl", f"model.name={tiny}", "model.init=scratch",
                              "model.tokenizer=all-MiniLM-L6-v2", "objective.grad_cache.chunk_size=8"])

@@ -261,7 +261,7 @@ def test_the_objectives_loader_checks_its_streams_fields_before_collate(tiny_ber
     cfg = load_config("clir", [f"model.name={tiny_bert_with_heads}", "data.max_length=64", f"data.url={root}",
                                "train.batch_size=2", "cluster.num_workers=1", f"data.on_bad_sample={on_bad_sample}"])
     objective = CLIR(cfg, load_tokenizer(tiny_bert_with_heads))
-    loader = stream_loader(cfg, objective.streams(cfg)[0], 0, 1, objective.data_side())
+    loader = stream_loader(cfg, objective.streams(cfg)[0], 0, 1, objective.data)
     if on_bad_sample == "error":
         with pytest.raises(ShardError, match=re.escape(f"shard-000000.tar: missing_fields: sample {keys[4]}: "
                                                        "json has no 'pair_id'")):

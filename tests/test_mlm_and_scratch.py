@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from clsys.recipes import load_config
 from clsys.model.encoder import load_tokenizer
-from clsys.objectives import OBJECTIVES
+from clsys.recipes import OBJECTIVES
 
 REPO = Path(__file__).resolve().parents[1]
 MINI = str(REPO / "clsys" / "configs" / "models" / "bert-mini.json")

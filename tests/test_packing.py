@@ -16,7 +16,7 @@ import torch
 from clsys.recipes import load_config
 from clsys.model import packing
 from clsys.model.encoder import load_tokenizer
-from clsys.objectives import OBJECTIVES
+from clsys.recipes import OBJECTIVES
 
 TEXTS = ["A river.", "The river rises in the hills and flows east for forty miles to the sea.",
          "It reaches the sea at the port of Lynn, where ships once loaded wool.", "Hills.",

@@ -381,7 +381,7 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
     from clsys.shards.reader import load_shards, read_shard
     from clsys.engine.deepspeed import lr_lambda
     from clsys.model.encoder import load_encoder, load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     overrides = [f"data.url={local_shards}", f"model.name={tiny_bert_with_heads}", "model.dropout=0.0",
                  "train.precision=fp32", "train.steps=4", "train.batch_size=16", "train.log_sample_keys=true",

@@ -25,7 +25,7 @@ def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.selection import BestTracker, read_best
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",

@@ -400,16 +400,16 @@ def mixed_scripts(n: int, i: int) -> str:
 
 
 def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
-    """Objective.sample_lengths (tokens) as the sort key: far less padding than characters give."""
+    """The objective's DataSpec.sample_lengths (tokens) as the sort key: far less padding than characters give."""
     from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, SIZES, mixed_scripts)
     cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
                              "data.max_length=128"])
-    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)).data_side()
+    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)).data
     per_epoch = plan_epoch(load_shards(url), 0, 9, 1, 2, 4).batches_per_rank
 
     def padding_tokens(k: int, lengths) -> int:
@@ -423,18 +423,35 @@ def test_training_groups_by_the_objectives_token_counts(tmp_path, tiny):
     assert objective.sample_lengths([{"txt": "漢字漢字"}, {"txt": "word word"}]) == [4, 2]
 
 
-def test_loader_workers_get_the_objectives_data_side_only(tiny):
-    """What training hands the loader's worker processes (``Objective.data_side``): the objective's
+def training_state_in(value, seen=None) -> list[str]:
+    """Where in ``value`` (attributes, mappings, sequences, followed all the way) a module, parameter or tensor is."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return []
+    seen.add(id(value))
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return [type(value).__name__]
+    if isinstance(value, dict):
+        children = list(value.items())
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        children = list(enumerate(value))
+    else:
+        children = list(getattr(value, "__dict__", {}).items())
+    return [f"{name}.{inner}" for name, child in children for inner in training_state_in(child, seen)]
+
+
+def test_loader_workers_get_the_objectives_data_spec_only(tiny):
+    """What training hands the loader's worker processes (``Objective.data``, its data spec): the objective's
     collate as it is, without its parameters and submodules (here the encoder, the MLP and the MLM head)."""
     from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     cfg = load_config(None, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2",
                              "objective.mlm_weight=0.1"])
     objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer))
-    data_side = pickle.loads(pickle.dumps(objective.data_side()))
-    assert list(objective.parameters()) and not list(data_side.parameters()) and not list(data_side.children())
+    data_side = pickle.loads(pickle.dumps(objective.data))
+    assert list(objective.parameters()) and training_state_in(objective) and not training_state_in(data_side)
     samples = [{"txt": f"sentence number {i} of the batch"} for i in range(6)]
     torch.manual_seed(3)
     full = objective.collate(samples)
@@ -451,7 +468,7 @@ def recipe_objective(recipe: str, tiny: str):
     """A bundled recipe's objective on the tiny BERT with MiniLM's tokenizer."""
     from clsys.recipes import load_config
     from clsys.model.encoder import load_tokenizer
-    from clsys.objectives import OBJECTIVES
+    from clsys.recipes import OBJECTIVES
 
     extra = ["objective.num_labels=2"] if recipe == "css_lm" else []  # set by its pipeline from the task's data
     cfg = load_config(recipe, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", *extra])
@@ -459,13 +476,13 @@ def recipe_objective(recipe: str, tiny: str):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_objectives_data_side_reaches_the_loader_workers(recipe, tiny):
-    """Each bundled recipe's objective: its data side pickles (the forkserver's workers get it so; a lambda
-    in it, say, would stop training at the first batch) and carries no parameters."""
+def test_every_objectives_data_spec_reaches_the_loader_workers(recipe, tiny):
+    """Each bundled recipe's objective: its data spec pickles (the forkserver's workers get it so; a lambda
+    in it, say, would stop training at the first batch) and carries no modules, parameters or tensors."""
     objective = recipe_objective(recipe, tiny)
     assert list(objective.parameters())
-    data_side = pickle.loads(pickle.dumps(objective.data_side()))
-    assert not list(data_side.parameters()) and not list(data_side.buffers())
+    data_side = pickle.loads(pickle.dumps(objective.data))
+    assert training_state_in(data_side) == []
 
 
 def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, tmp_path):
@@ -478,7 +495,7 @@ def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, tmp_p
 
     checks = []
     for recipe in RECIPES:
-        collate = recipe_objective(recipe, tiny).data_side().collate
+        collate = recipe_objective(recipe, tiny).data.collate
         path = tmp_path / f"{recipe}.pkl"
         path.write_bytes(pickle.dumps(collate))
         checks.append((recipe, [m for m in forkserver_preload(collate) if m != "__main__"], str(path)))

@@ -117,7 +117,7 @@ class BatchTokenizer:
         return backend
 
     def __getstate__(self) -> dict:
-        # The copy does not travel (to loader workers, into data_side's deep copy): the tokenizer does, and each
+        # The copy does not travel (to loader workers, in a deep copy): the tokenizer does, and each
         # process builds its own copy from it, instead of unpickling both (~1 s each for XLM-R's 250k pieces).
         return {k: v for k, v in self.__dict__.items() if k != "backend"}
 

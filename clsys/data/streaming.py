@@ -386,17 +386,27 @@ class SegmentReader:
 
 
 class DataSide(Protocol):
-    """What a loader's worker processes run for an objective (``Objective.data_side``)."""
+    """What a loader's worker processes run for an objective (its ``DataSpec``, ``clsys.objectives.base``)."""
+
+    streams: list[str]
 
     def collate(self, samples: list[dict]) -> dict: ...
 
     def sample_lengths(self, samples: list[dict]) -> list[int]: ...
 
+    def combine(self, loaders: dict[str, ShardLoader]): ...
+
 
 def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSide) -> ShardLoader:
     """A ``ShardLoader`` over the stream ``stream`` (``sentences``, ``clir/en-de``, …) under ``data.url``, configured
-    by the ``data`` section, collating with ``data``: the loader an objective's ``loader`` asks for, per stream."""
+    by the ``data`` section, collating with ``data``."""
     d = cfg.data
     return ShardLoader(storage.join(d.url, stream), rank, world, cfg.micro_batch, data.collate, cfg.train.seed,
                        d.loader_workers, d.shuffle_buffer, d.verify_checksums, d.on_bad_sample, d.length_group_batches,
                        data.sample_lengths, stream_kind(stream), d.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu)
+
+
+def rank_loader(cfg: Config, rank: int, world: int, data: DataSide):
+    """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position), built from an
+    objective's data spec: a ``stream_loader`` for each of its streams, combined as it says."""
+    return data.combine({stream: stream_loader(cfg, stream, rank, world, data) for stream in data.streams})

@@ -32,6 +32,7 @@ from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
 from clsys.engine.evaluator import Evaluator
+from clsys.data.streaming import rank_loader
 from clsys.engine.selection import BestTracker
 from clsys.metrics.event_sync import LOG_FOLDER, EventSync
 from clsys.metrics.health import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
@@ -137,7 +138,7 @@ class Trainer:
         resume = checkpoint.fetch_intact(_resume_candidates(run, requested_resume), world)
         self.engine = build_engine(self.objective, cfg, load_universal=bool(resume and resume.universal))
         self.engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
-        self.loader = self.objective.loader(cfg, rank, world)
+        self.loader = rank_loader(cfg, rank, world, self.objective.data)
         # From here on each rank draws its own dropout masks.
         torch.manual_seed(cfg.train.seed + 1 + rank)
         random.seed(cfg.train.seed + 1 + rank)

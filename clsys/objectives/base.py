@@ -1,20 +1,19 @@
 """The interface between the training engine and an objective.
 
-An objective is an ``nn.Module`` that owns everything trainable (encoder, heads) and anything
-frozen (teacher copies), declares which shard stream it reads and how samples become a batch,
-and returns a ``LossOutput``. The engine never knows which objective it runs.
+An objective is an ``nn.Module`` that owns everything trainable (encoder, heads) and anything frozen (teacher
+copies) and returns a ``LossOutput``; its ``data`` (a ``DataSpec``) declares which shard streams it reads and how
+samples become a batch, and is all the loader's worker processes get. The engine never knows which objective
+it runs.
 """
 from __future__ import annotations
 
-import copy
-import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from clsys.config import Config, ObjectiveConfig
+from clsys.config import Config, ObjectiveConfig, check_closed_sets
 from clsys.model import packing
 
 
@@ -40,13 +39,46 @@ def add_row_loss(out: LossOutput, row_loss: LossOutput | None) -> LossOutput:
     return add_losses(out, LossOutput(row_loss.loss, {**row_loss.metrics, "contrastive_loss": out.loss.detach()}))
 
 
+class DataSpec:
+    """An objective's data side: the shard streams it reads, how samples become a batch (``collate``) and how long
+    each sample is (``sample_lengths``, the sort key of length-grouped batches). The loader's worker processes run
+    it, pickled to them (``clsys.data.streaming.rank_loader`` builds the loader from it), so it holds configuration,
+    tokenizer, masker and collate state only: no tensors, modules or training state."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        """``streams`` and ``reads_ids``: the objective's (``Objective.streams``, ``Objective.reads_ids``)."""
+        self.cfg, self.tokenizer, self.streams, self.reads_ids = cfg, tokenizer, streams, reads_ids
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Decoded shard samples (``txt``/``json`` fields, ``ids`` if pre-tokenized) → model inputs."""
+        raise NotImplementedError
+
+    def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
+        """Tokens of each sample's ``txt``. Characters are a poor proxy: a batch's padding follows its longest row,
+        and tokens per character vary several-fold across scripts, numbers and rare words."""
+        if self.reads_ids and all("ids" in s for s in samples):
+            # Pre-tokenized by the training tokenizer (checked at start-up); cut at max_tokens, which is at
+            # least what collate keeps, so longer rows pad alike anyway.
+            return [len(s["ids"]) for s in samples]
+        return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
+
+    def combine(self, loaders: dict[str, Any]):
+        """This rank's batch iterator from one loader per stream (``streams``' keys, in order): the one loader.
+        A spec that mixes streams returns their schedule."""
+        (loader,) = loaders.values()
+        return loader
+
+
 class Objective(nn.Module):
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    data_class: ClassVar[type[DataSpec]] = DataSpec  # its data side's class
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__()
+        check_closed_sets(cfg.objective, "objective")  # a config built in Python was not checked as it was read
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.data = self.data_class(cfg, tokenizer, self.streams(cfg), self.reads_ids(cfg))
         if cfg.objective.grad_cache.chunk_size and type(self).embed is Objective.embed:
             raise ValueError(f"objective.grad_cache: {cfg.objective.name} has no in-batch-negative loss that "
                              "GradCache can chunk; set objective.grad_cache.chunk_size: 0")
@@ -62,45 +94,9 @@ class Objective(nn.Module):
         samples have them; then training refuses a stream tokenized by another tokenizer. Others tokenize ``txt``."""
         return False
 
-    def loader(self, cfg: Config, rank: int, world: int):
-        """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position).
-
-        One stream: ``clsys.data.streaming.stream_loader`` with this objective's data side. Objectives that mix
-        streams override it.
-        """
-        from clsys.data.streaming import stream_loader
-
-        (stream,) = self.streams(cfg)
-        return stream_loader(cfg, stream, rank, world, self.data_side())
-
-    def data_side(self) -> Objective:
-        """A copy of the objective's data side only (configuration, tokenizer, masker, …): what the loader's
-        worker processes get for ``collate`` and ``sample_lengths``. They start from a clean process
-        (``clsys.data.streaming``), so the copy is pickled to them, and training state must not travel: no
-        tensors, parameters or submodules (encoder, heads, teachers, banks; torch would move them into shared
-        memory on the way), nor the methods and classes DeepSpeed attaches to the module it trains (ZeRO-3's
-        hooks, which reach the engine)."""
-        data = object.__new__(type(self))
-        # A deep copy: the workers of every later epoch get it as it is now, whatever training then changes.
-        data.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items()
-                                            if not isinstance(v, (torch.Tensor, nn.Module, type, types.MethodType))}))
-        data.__dict__.update(nn.Module().__dict__)  # the module bookkeeping, fresh: no parameters, children, hooks
-        return data
-
-    def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
-        """Tokens of each sample's ``txt``: the sort key of length-grouped batches (``data.length_group_batches``);
-        runs in loader workers. Characters are a poor proxy: a batch's padding follows its longest row, and
-        tokens per character vary several-fold across scripts, numbers and rare words."""
-        if self.reads_ids(self.cfg) and all("ids" in s for s in samples):
-            # Pre-tokenized by the training tokenizer (checked at start-up); cut at max_tokens, which is at
-            # least what collate keeps, so longer rows pad alike anyway.
-            return [len(s["ids"]) for s in samples]
-        return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
-
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Decoded shard samples (``txt``/``json`` fields, ``ids`` if pre-tokenized) → model inputs; runs in loader
-        workers."""
-        raise NotImplementedError
+        """Its data side's batch of ``samples``, built in this process (the loader's workers run ``data`` itself)."""
+        return self.data.collate(samples)
 
     def encode(self, model: nn.Module, inputs: dict[str, torch.Tensor], output_hidden_states: bool = False):
         """``model``'s output for the padded ``inputs`` (``input_ids``, ``attention_mask``, ``token_type_ids``),

@@ -52,7 +52,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, pool
-from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.base import DataSpec, LossOutput, Objective
 
 
 
@@ -118,8 +118,70 @@ def sample_negative(hard: list[str], pool: Iterable[str], positive: str, rng: ra
     return rng.choice(hard) if hard else None
 
 
+class CLIRData(DataSpec):
+    """Aligned section pairs → QLM's masked (query, document) pairs and RR's (query, positive or negative) pairs,
+    one stream per language pair, mixed by task and pair (``TaskMixer``). A pool of each document language's recent
+    positives, kept across batches, supplies RR's random negatives."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        super().__init__(cfg, tokenizer, streams, reads_ids)
+        self.oc: CLIRConfig = cfg.objective
+        self.masker = Masker.for_tokenizer(tokenizer, self.oc.mask_probability, bernoulli=True)
+        self.keep_texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=True)  # e₀'s single texts
+        self.pools: dict[str, collections.deque] = collections.defaultdict(  # picklable: loader workers get it
+            functools.partial(collections.deque, maxlen=self.oc.random_pool))
+
+    def combine(self, loaders: dict[str, Any]):
+        from clsys.data.mixing import TaskMixer
+
+        cfg = self.cfg
+        by_pair = {pair: loaders[stream] for pair, stream in zip(self.oc.pairs, self.streams)}
+        return TaskMixer(by_pair, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
+                         cfg.train.grad_accum, cfg.train.seed)
+
+    def pair_encoding(self, queries: list[str], documents: list[str], padding=True) -> dict[str, torch.Tensor]:
+        # longest_first trims the longer side (nearly always the document) first, as the original does.
+        encoding = self.tokenizer(queries, documents, truncation="longest_first", max_length=self.cfg.data.max_length,
+                                  padding=padding, return_tensors="pt", return_token_type_ids=True)
+        return {**encoding, "document": document_side(encoding)}
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rng = random.Random(random.getrandbits(64))
+        examples = [clir_example(s["json"], rng) for s in samples]
+        for e in examples:
+            self.pools[e["doc_lang"]].append(e["positive"])
+        queries, positives = [e["query"] for e in examples], [e["positive"] for e in examples]
+        batch: dict[str, torch.Tensor] = {}
+        if "qlm" in self.oc.tasks:
+            qlm = self.pair_encoding(queries, positives)
+            document = qlm["document"].bool()
+            eligible = {"query": ~document, "document": document, "mixed": torch.ones_like(document)}[self.oc.mask_mode]
+            masked, chosen = self.masker(qlm["input_ids"], qlm["attention_mask"], eligible)
+            batch.update({f"qlm_{k}": v for k, v in qlm.items()})
+            batch.update(qlm_masked_input_ids=masked, qlm_chosen=chosen)
+        if "rr" in self.oc.tasks:
+            rr_queries, rr_docs, labels = [], [], []
+            for e in examples:
+                pool = self.pools[e["doc_lang"]]  # only scanned when a random negative is drawn
+                negatives = [sample_negative(e["hard_negatives"], pool, e["positive"], rng)
+                             for _ in range(self.oc.rr_negatives)]
+                if self.oc.rr_in_batch:
+                    negatives += [o["positive"] for o in examples if o is not e and o["doc_lang"] == e["doc_lang"]]
+                negatives = [n for n in negatives if n is not None]
+                rr_queries += [e["query"]] * (1 + len(negatives))
+                rr_docs += [e["positive"], *negatives]
+                labels += [1] + [0] * len(negatives)
+            batch.update({f"rr_{k}": v for k, v in self.pair_encoding(rr_queries, rr_docs).items()})
+            batch["rr_labels"] = torch.tensor(labels)
+        if self.oc.keep_weight:
+            for side, texts in (("query", queries), ("document", positives)):
+                batch.update({f"keep_{side}_{k}": v for k, v in self.keep_texts(texts).items()})
+        return batch
+
+
 class CLIR(Objective):
     config_class = CLIRConfig
+    data_class = CLIRData
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -142,10 +204,6 @@ class CLIR(Objective):
                              "set model.packed: false")
         pooler = nsp_head[0]  # BERT's pretrained dense + tanh on [CLS]; its NSP classifier is not used
         self.rr_head = nn.Sequential(pooler, nn.Dropout(oc.rr_dropout), nn.Linear(pooler.dense.out_features, 2))
-        self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, bernoulli=True)
-        self.keep_texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=True)  # e₀'s single texts
-        self.pools: dict[str, collections.deque] = collections.defaultdict(  # picklable: loader workers get it
-            functools.partial(collections.deque, maxlen=oc.random_pool))
         self.latest: dict[str, torch.Tensor] = {}  # newest value of every metric, so logs show all tasks
         self.start_encoder = None
         if oc.keep_weight:
@@ -159,56 +217,6 @@ class CLIR(Objective):
         if self.start_encoder is not None:
             self.start_encoder.eval()
         return self
-
-    def loader(self, cfg: Config, rank: int, world: int):
-        from clsys.data.mixing import TaskMixer
-        from clsys.data.streaming import stream_loader
-
-        loaders = {pair: stream_loader(cfg, stream, rank, world, self.data_side())
-                   for pair, stream in zip(self.oc.pairs, self.streams(cfg))}
-        return TaskMixer(loaders, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
-                         cfg.train.grad_accum, cfg.train.seed)
-
-    # ---- batches (loader workers) -------------------------------------------------------------
-
-    def _pair_encoding(self, queries: list[str], documents: list[str], padding=True) -> dict[str, torch.Tensor]:
-        # longest_first trims the longer side (nearly always the document) first, as the original does.
-        encoding = self.tokenizer(queries, documents, truncation="longest_first", max_length=self.cfg.data.max_length,
-                                  padding=padding, return_tensors="pt", return_token_type_ids=True)
-        return {**encoding, "document": document_side(encoding)}
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rng = random.Random(random.getrandbits(64))
-        examples = [clir_example(s["json"], rng) for s in samples]
-        for e in examples:
-            self.pools[e["doc_lang"]].append(e["positive"])
-        queries, positives = [e["query"] for e in examples], [e["positive"] for e in examples]
-        batch: dict[str, torch.Tensor] = {}
-        if "qlm" in self.oc.tasks:
-            qlm = self._pair_encoding(queries, positives)
-            document = qlm["document"].bool()
-            eligible = {"query": ~document, "document": document, "mixed": torch.ones_like(document)}[self.oc.mask_mode]
-            masked, chosen = self.masker(qlm["input_ids"], qlm["attention_mask"], eligible)
-            batch.update({f"qlm_{k}": v for k, v in qlm.items()})
-            batch.update(qlm_masked_input_ids=masked, qlm_chosen=chosen)
-        if "rr" in self.oc.tasks:
-            rr_queries, rr_docs, labels = [], [], []
-            for e in examples:
-                pool = self.pools[e["doc_lang"]]  # only scanned when a random negative is drawn
-                negatives = [sample_negative(e["hard_negatives"], pool, e["positive"], rng)
-                             for _ in range(self.oc.rr_negatives)]
-                if self.oc.rr_in_batch:
-                    negatives += [o["positive"] for o in examples if o is not e and o["doc_lang"] == e["doc_lang"]]
-                negatives = [n for n in negatives if n is not None]
-                rr_queries += [e["query"]] * (1 + len(negatives))
-                rr_docs += [e["positive"], *negatives]
-                labels += [1] + [0] * len(negatives)
-            batch.update({f"rr_{k}": v for k, v in self._pair_encoding(rr_queries, rr_docs).items()})
-            batch["rr_labels"] = torch.tensor(labels)
-        if self.oc.keep_weight:
-            for side, texts in (("query", queries), ("document", positives)):
-                batch.update({f"keep_{side}_{k}": v for k, v in self.keep_texts(texts).items()})
-        return batch
 
     # ---- losses -------------------------------------------------------------------------------
 
@@ -295,7 +303,7 @@ class CLIR(Objective):
             out = []
             size = self.cfg.eval.batch_size
             for start in range(0, len(queries), size):
-                enc = self._pair_encoding(queries[start:start + size], documents[start:start + size])
+                enc = self.data.pair_encoding(queries[start:start + size], documents[start:start + size])
                 enc = {k: v.to(device) for k, v in enc.items()}
                 out.append(self.rr_logits(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"],
                                           enc["document"])[:, 1].cpu())

@@ -38,7 +38,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import build_encoder, pool
-from clsys.objectives.base import LossOutput, Objective, add_losses
+from clsys.objectives.base import DataSpec, LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
 
 
@@ -133,8 +133,20 @@ LOSS_FNS: dict[str, Callable[..., torch.Tensor]] = {"sg": sg_loss, "opt1": opt1_
                                                    "sg_opt": sg_opt_loss}
 
 
+class SelfGuidedData(DataSpec):
+    """One copy of each sentence: BERT_T and BERT_F read the same tokens."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        super().__init__(cfg, tokenizer, streams, reads_ids)
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.sentences(samples)
+
+
 class SelfGuided(Objective):
     config_class = SelfGuidedConfig
+    data_class = SelfGuidedData
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -157,7 +169,6 @@ class SelfGuided(Objective):
             self.model.embeddings.requires_grad_(False)
         self.head = ProjectionHead(self.model.config.hidden_size, oc.projection_dim)
         self.oc = oc
-        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
         self.train(self.training)  # from_pretrained left both copies in eval mode: apply the mode rule now
 
     def train(self, mode: bool = True) -> SelfGuided:
@@ -165,10 +176,6 @@ class SelfGuided(Objective):
         super().train(mode)
         self.frozen.train(mode and self.oc.frozen_dropout)
         return self
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        # One copy of each sentence: BERT_T and BERT_F read the same tokens.
-        return self.sentences(samples)
 
     def regularisation(self) -> LossOutput:
         """λ·L_reg, L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.

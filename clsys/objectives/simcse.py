@@ -24,7 +24,7 @@ from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import Pooling, build_encoder, build_masked_lm, pool
 from clsys.model.loading import POOLER_MODEL_TYPES
-from clsys.objectives.base import LossOutput, Objective, add_row_loss
+from clsys.objectives.base import DataSpec, LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 
 
@@ -59,8 +59,35 @@ class MLPPooler(nn.Module):
         return self.activation(self.dense(cls))
 
 
+class SimCSEData(DataSpec):
+    """Unsupervised: every sentence twice (two dropout views); supervised: each triplet's three texts. With the MLM
+    auxiliary, masked copies of every row."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        super().__init__(cfg, tokenizer, streams, reads_ids)
+        oc: SimCSEConfig = cfg.objective
+        self.supervised = oc.supervised
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
+        self.masker = Masker.for_tokenizer(tokenizer, oc.mlm_probability, cap=cfg.data.max_length) \
+            if oc.mlm_weight else None
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.supervised:
+            # Rows [0, B) anchors, [B, 2B) their entailments, [2B, 3B) their contradictions.
+            texts = [s["json"][part] for part in ("anchor", "positive", "negative") for s in samples]
+            batch = self.sentences.encode(texts)
+        else:
+            # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
+            batch = self.sentences(samples, copies=2)
+        if self.masker is not None:
+            # Masked copies of every row, for the MLM auxiliary's separate forward pass (§2.3).
+            batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
+        return batch
+
+
 class SimCSE(Objective):
     config_class = SimCSEConfig
+    data_class = SimCSEData
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -83,9 +110,8 @@ class SimCSE(Objective):
         if oc.mlm_weight:
             # The auxiliary needs an MLM head: the checkpoint's, or a new one tied to the embeddings.
             self.model, self.mlm_head = build_masked_lm(cfg.model, tokenizer)
-            self.masker = Masker.for_tokenizer(tokenizer, oc.mlm_probability, cap=cfg.data.max_length)
         else:
-            self.model, self.mlm_head, self.masker = build_encoder(cfg.model, tokenizer), None, None
+            self.model, self.mlm_head = build_encoder(cfg.model, tokenizer), None
         if oc.export_pooling == "cls_mlp" and self.model.config.model_type not in POOLER_MODEL_TYPES:
             raise ValueError(f"objective.export_pooling: cls_mlp is exported as the HF pooler, which "
                              f"{self.model.config.model_type} models lack (supported: {', '.join(POOLER_MODEL_TYPES)})")
@@ -95,20 +121,6 @@ class SimCSE(Objective):
         self.mlp = MLPPooler(config.hidden_size, std) if oc.pooler == "cls_mlp" else None
         self.temperature, self.pooler, self.gather = oc.temperature, oc.pooler, oc.gather
         self.supervised, self.hard_negative_weight = oc.supervised, oc.hard_negative_weight
-        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if self.supervised:
-            # Rows [0, B) anchors, [B, 2B) their entailments, [2B, 3B) their contradictions.
-            texts = [s["json"][part] for part in ("anchor", "positive", "negative") for s in samples]
-            batch = self.sentences.encode(texts)
-        else:
-            # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
-            batch = self.sentences(samples, copies=2)
-        if self.masker is not None:
-            # Masked copies of every row, for the MLM auxiliary's separate forward pass (§2.3).
-            batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
-        return batch
 
     @staticmethod
     def _encoder_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, build_masked_lm
-from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.base import DataSpec, LossOutput, Objective
 from clsys.objectives.contrastive import cosine_logits
 
 
@@ -95,8 +95,32 @@ def token_contrastive_loss(student: torch.Tensor, teacher: torch.Tensor, chosen:
     return loss, accuracy
 
 
+class TaCLData(DataSpec):
+    """Passages (or NSP pairs of their sentences) with BERT-style masked copies for the student."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        super().__init__(cfg, tokenizer, streams, reads_ids)
+        self.oc: TaCLConfig = cfg.objective
+        self.masker = Masker.for_tokenizer(tokenizer, self.oc.mask_probability, self.oc.mask_cap)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, pad_to_max_length=self.oc.pad_negatives)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        extra = {}
+        if self.oc.nsp_weight:
+            # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
+            firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
+            batch = self.tokenizer(firsts, seconds, padding="max_length" if self.oc.pad_negatives else True,
+                                   truncation="longest_first", max_length=self.cfg.data.max_length, return_tensors="pt")
+            extra["nsp_labels"] = torch.tensor(labels)
+        else:
+            batch = self.texts([s["txt"] for s in samples])
+        masked_ids, chosen = self.masker(batch["input_ids"], batch["attention_mask"])
+        return {**batch, "masked_input_ids": masked_ids, "chosen": chosen, **extra}
+
+
 class TaCL(Objective):
     config_class = TaCLConfig
+    data_class = TaCLData
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -116,27 +140,12 @@ class TaCL(Objective):
             (self.model, self.mlm_head), self.nsp_head = build_masked_lm(cfg.model, tokenizer), None
         self.teacher = copy.deepcopy(self.model)
         self.teacher.requires_grad_(False)
-        self.masker = Masker.for_tokenizer(tokenizer, oc.mask_probability, oc.mask_cap)
-        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, pad_to_max_length=oc.pad_negatives)
         self.oc = oc
 
     def train(self, mode: bool = True) -> "TaCL":
         super().train(mode)
         self.teacher.train(mode and self.oc.teacher_dropout)
         return self
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        extra = {}
-        if self.oc.nsp_weight:  # (the NSP head itself is not in the loader workers' copy of the objective)
-            # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
-            firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
-            batch = self.tokenizer(firsts, seconds, padding="max_length" if self.oc.pad_negatives else True,
-                                   truncation="longest_first", max_length=self.cfg.data.max_length, return_tensors="pt")
-            extra["nsp_labels"] = torch.tensor(labels)
-        else:
-            batch = self.texts([s["txt"] for s in samples])
-        masked_ids, chosen = self.masker(batch["input_ids"], batch["attention_mask"])
-        return {**batch, "masked_input_ids": masked_ids, "chosen": chosen, **extra}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         clean, chosen = batch["input_ids"], batch["chosen"]

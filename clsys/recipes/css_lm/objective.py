@@ -54,7 +54,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
-from clsys.objectives.base import LossOutput, Objective
+from clsys.objectives.base import DataSpec, LossOutput, Objective
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, top_k, two_views)
 
@@ -104,8 +104,21 @@ def _float32(scorer: nn.Linear) -> nn.Linear:
     return copy.deepcopy(scorer).float().requires_grad_(False)
 
 
+class CSSLMData(DataSpec):
+    """Corpus sentences (``sentences`` shard samples) → stage A's domain negatives, one text a row."""
+
+    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
+        super().__init__(cfg, tokenizer, streams, reads_ids)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=False)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        corpus = self.texts([s["txt"] for s in samples])
+        return {"corpus_input_ids": corpus["input_ids"], "corpus_attention_mask": corpus["attention_mask"]}
+
+
 class CSSLM(Objective):
     config_class = CSSLMConfig
+    data_class = CSSLMData
 
     @classmethod
     def streams(cls, cfg: Config) -> list[str]:
@@ -129,7 +142,6 @@ class CSSLM(Objective):
             # view), where ZeRO-3 would hand out empty partitions. Fine-tuning fits ZeRO-2 anyway.
             raise ValueError("objective.name: css_lm needs train.zero_stage 0-2, got 3")
         self.oc = oc
-        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=False)  # one text a row
         self.model = build_encoder(cfg.model, tokenizer)
         d = self.model.config.hidden_size
         self.task_head = task_head(d, oc.num_labels, oc.classifier_dropout)
@@ -156,19 +168,14 @@ class CSSLM(Objective):
         after query (query i's are rows i·n … (i+1)·n − 1 of ``corpus``, a ``collate`` output)."""
         if len(texts) != len(labels):
             raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
-        batch = {**self.texts(texts), "labels": torch.tensor(labels, dtype=torch.long)}
+        batch = {**self.data.texts(texts), "labels": torch.tensor(labels, dtype=torch.long)}
         if corpus is not None:
             batch.update(corpus_input_ids=corpus["corpus_input_ids"], corpus_attention_mask=corpus["corpus_attention_mask"])
         return batch
 
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Corpus sentences (``sentences`` shard samples) → stage A's domain negatives; runs in loader workers."""
-        corpus = self.texts([s["txt"] for s in samples])
-        return {"corpus_input_ids": corpus["input_ids"], "corpus_attention_mask": corpus["attention_mask"]}
-
     def collate_corpus(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """Unlabeled sentences for ``encode_views`` (the bank builder) and for classification."""
-        return self.texts(texts)
+        return self.data.texts(texts)
 
     # ---- views and classification -------------------------------------------------------------
 

@@ -177,7 +177,7 @@ class Worker:
             d = cfg.data
             # Tokenised in the loader's worker processes by the objective's collate.
             corpus = iter(ShardLoader(self.corpus, self.rank, self.world, micro * cfg.objective.domain_negatives,
-                                      objective.data_side().collate, cfg.train.seed, d.loader_workers,
+                                      objective.data.collate, cfg.train.seed, d.loader_workers,
                                       d.shuffle_buffer, d.verify_checksums, d.on_bad_sample,
                                       kind="sentences", max_shard_bytes=d.max_shard_mb << 20))
         epochs = cfg.train.steps // math.ceil(len(self.task.train) / cfg.train.batch_size)
