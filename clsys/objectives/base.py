@@ -94,9 +94,12 @@ class Objective(nn.Module):
         samples have them; then training refuses a stream tokenized by another tokenizer. Others tokenize ``txt``."""
         return False
 
+    # Its data side's answers, in this process (the loader's workers run ``data`` itself).
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Its data side's batch of ``samples``, built in this process (the loader's workers run ``data`` itself)."""
         return self.data.collate(samples)
+
+    def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
+        return self.data.sample_lengths(samples)
 
     def encode(self, model: nn.Module, inputs: dict[str, torch.Tensor], output_hidden_states: bool = False):
         """``model``'s output for the padded ``inputs`` (``input_ids``, ``attention_mask``, ``token_type_ids``),
