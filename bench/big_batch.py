@@ -43,11 +43,10 @@ def _rank(rank: int, port: int, batch: int, chunk: int, zero: int, texts: list[s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.grad_cache import grad_cache_backward
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config("quickstart", [f"train.batch_size={batch}", f"cluster.num_workers={WORLD}",
@@ -80,10 +79,9 @@ def measure(batch: int, chunk: int, zero: int, texts: list[str]) -> tuple[float,
 def _float64_check(rank: int, port: int, batch: int, chunk: int, texts: list[str], out: dict) -> None:
     import torch.distributed as dist
 
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.engine.grad_cache import grad_cache
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     cfg = load_config("quickstart", [f"train.batch_size={batch}", f"cluster.num_workers={WORLD}", "model.dropout=0"])

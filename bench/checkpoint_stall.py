@@ -58,12 +58,11 @@ def run_way(rank: int, port: int, way: str, args, run_url: str, out: dict) -> No
     import torch.distributed as dist
 
     from clsys import storage
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.engine import checkpoint
     from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config(None, ["objective.name=simcse", "model.name=all-MiniLM-L6-v2", f"cluster.num_workers={args.world}",

@@ -27,10 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from clsys.recipes import load_config  # noqa: E402
+from clsys.recipes import OBJECTIVES, load_config  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
-from clsys.recipes import OBJECTIVES  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from sample_data import sample_shards  # noqa: E402

@@ -35,9 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clsys.recipes import load_config  # noqa: E402
+from clsys.recipes import OBJECTIVES, load_config  # noqa: E402
 from clsys.engine.deepspeed import compile_models  # noqa: E402
-from clsys.recipes import OBJECTIVES  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "clsys" / "configs" / "models"
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of torch.cuda.get_device_name().

@@ -288,14 +288,20 @@ def choices(values: tuple) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
-def closed_set_problem(key: str, value, tp) -> str | None:
-    """Why ``value`` is not one of the closed set ``tp`` (a ``Literal``, or a list of one), or None."""
+def closed_set(tp) -> tuple:
+    """The values of a closed set (a ``Literal``, or a list of one), else ()."""
     if typing.get_origin(tp) is list:
-        return next(filter(None, (closed_set_problem(key, item, typing.get_args(tp)[0]) for item in value)), None)
-    allowed = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
-    if allowed is None or any(type(value) is type(a) and value == a for a in allowed):  # True is not 1 here
-        return None
-    return f"{key}: expected {choices(allowed)}, got {value!r}"
+        tp = typing.get_args(tp)[0]
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
+
+
+def closed_set_problem(key: str, value, tp) -> str | None:
+    """Why ``value`` (or, for a list, one of its items) is not in the closed set ``tp``, or None."""
+    allowed = closed_set(tp)
+    for item in value if typing.get_origin(tp) is list else [value]:
+        if allowed and not any(type(item) is type(a) and item == a for a in allowed):  # True is not 1 here
+            return f"{key}: expected {choices(allowed)}, got {item!r}"
+    return None
 
 
 def check_closed_sets(section, prefix: str) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from clsys.config import closed_set
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,13 +121,6 @@ def walk(obj, prefix: str, recipe=None, skip: frozenset[str] = frozenset()) -> l
         rows.append(Row(key, type_text(f.type, resolved), value, other if other != value else dataclasses.MISSING,
                         meaning_text))
     return rows
-
-
-def closed_set(tp) -> tuple:
-    """The values of a closed set (``Literal``, or a list of one), else ()."""
-    if typing.get_origin(tp) is list:
-        tp = typing.get_args(tp)[0]
-    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 
 
 def type_text(written, resolved) -> str:

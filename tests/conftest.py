@@ -257,10 +257,9 @@ class RankCheckpoints:
     def __init__(self, rank: int, port: int, tiny: str, world: int = 2, stage: int = 2):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-        from clsys.recipes import load_config
+        from clsys.recipes import OBJECTIVES, load_config
         from clsys.engine.deepspeed import build_engine, init_distributed
         from clsys.model.encoder import load_tokenizer
-        from clsys.recipes import OBJECTIVES
 
         init_distributed()
         self.cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",

@@ -41,10 +41,9 @@ def _rank(rank: int, world: int, port: int, tiny: str, objective_kind: str, engi
     one process group (a process pair per way would cost a start-up of torch and DeepSpeed each)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.engine.grad_cache import grad_cache, grad_cache_backward, split_rows
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
     from clsys.objectives.base import add_losses, add_row_loss
 
     if engine_kind == "torch":
@@ -157,9 +156,8 @@ def test_deepspeed_zero_gradient_equals_the_plain_step(tiny, objective_kind, zer
 
 
 def test_objectives_without_an_in_batch_loss_refuse_grad_cache(tiny):
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
 
     cfg = load_config(None, ["objective.name=tacl", f"model.name={tiny}", "model.init=scratch",
                              "model.tokenizer=all-MiniLM-L6-v2", "objective.grad_cache.chunk_size=8"])

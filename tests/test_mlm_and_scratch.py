@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clsys.recipes import load_config
+from clsys.recipes import OBJECTIVES, load_config
 from clsys.model.encoder import load_tokenizer
-from clsys.recipes import OBJECTIVES
 
 REPO = Path(__file__).resolve().parents[1]
 MINI = str(REPO / "clsys" / "configs" / "models" / "bert-mini.json")

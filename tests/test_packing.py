@@ -13,10 +13,9 @@ import random
 import pytest
 import torch
 
-from clsys.recipes import load_config
+from clsys.recipes import OBJECTIVES, load_config
 from clsys.model import packing
 from clsys.model.encoder import load_tokenizer
-from clsys.recipes import OBJECTIVES
 
 TEXTS = ["A river.", "The river rises in the hills and flows east for forty miles to the sea.",
          "It reaches the sea at the port of Lynn, where ships once loaded wool.", "Hills.",

@@ -19,13 +19,12 @@ def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                       LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu")
     from clsys.config import ConfigError
-    from clsys.recipes import load_config
+    from clsys.recipes import OBJECTIVES, load_config
     from clsys.engine import checkpoint
     from clsys.engine.checkpoint_writer import CheckpointWriter
     from clsys.engine.deepspeed import build_engine, init_distributed
     from clsys.engine.selection import BestTracker, read_best
     from clsys.model.encoder import load_tokenizer
-    from clsys.recipes import OBJECTIVES
 
     init_distributed()
     cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from clsys import storage
 from clsys.config import Config, run_url
+from clsys.data.streaming import rank_loader
 from clsys.engine import checkpoint
 from clsys.engine.checkpoint_writer import CheckpointWriter
 from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
@@ -32,7 +33,6 @@ from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
 from clsys.engine.evaluator import Evaluator
-from clsys.data.streaming import rank_loader
 from clsys.engine.selection import BestTracker
 from clsys.metrics.event_sync import LOG_FOLDER, EventSync
 from clsys.metrics.health import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
