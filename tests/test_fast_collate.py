@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
+import itertools
 import pickle
 import random
 import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.normalizers import BertNormalizer
 from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
 
 from clsys.config import Config, ModelConfig
 from clsys.recipes import load_config
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data import chunk_tokenizer
+from clsys.data.chunk_tokenizer import ChunkTokenizer
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import load_tokenizer
 from clsys.model.loading import resolve_model_path
@@ -237,3 +243,93 @@ def test_objectives_collate_what_their_hf_calls_gave(tiny_bert_with_heads):
 
     clir = CLIR(load_config("clir", [*model, "objective.keep_weight=1.0"]), tokenizer)
     assert_same(clir.data.keep_texts(texts), hf_call(tokenizer, texts, 24, return_token_type_ids=True))
+
+
+def _backend_without_cuts(tokenizer) -> Tokenizer:
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+@functools.cache
+def _edge_characters() -> tuple[str, ...]:
+    """Every character that could move a chunk's edge: whitespace, control and format characters, combining marks."""
+    return tuple(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000
+                 and (chr(c).isspace() or unicodedata.category(chr(c)) in ("Cc", "Cf", "Zs", "Zl", "Zp", "Mn")))
+
+
+def _texts_to_split(rng: random.Random) -> list[str]:
+    """Real sentences (STS-B in English and German, KorSTS), the hostile random texts, and each edge character
+    between words, inside a word, inside a literal special token and after an accent, and mixed at random."""
+    real = []
+    for name in ("stsb-en-test.csv", "stsb-de-test.csv"):
+        with open(ROOT / "clsys" / "assets" / "sts" / name, newline="", encoding="utf-8") as f:
+            real += [text for row in itertools.islice(csv.reader(f), 600) for text in row[:2]]
+    with open(ROOT / "clsys" / "assets" / "sts" / "korsts-test.tsv", encoding="utf-8") as f:
+        real += [text for line in list(f)[1:200] for text in line.rstrip("\n").split("\t")[5:7]]
+    edges = _edge_characters()
+    around = [f"ab{c}cd a {c} b [MA{c}SK] x{c}[SEP] e\u0301{c}\u0301x" for c in edges]
+    pool = [*edges, *"aé[]MASKCLS#.,中", "[MASK]", "[CLS]", "[mask]", "hello", "Wörld", "  "]
+    mixed = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 30))) for _ in range(1000)]
+    words = ["hello world", "x hello y", "ahello hellob hello, HELLO", " hello  Wörld wörld xWörldx abab cab"]
+    return real + [random_text(rng) for _ in range(1000)] + around + mixed + words
+
+
+@pytest.mark.parametrize("variant", ["minilm", "cased", "cased_no_accent_strip_no_cjk", "accents_stripped",
+                                     "added_tokens", "added_tokens_split"])
+def test_chunk_tokenizer_gives_the_backends_ids(variant):
+    """A text's ids are its whitespace-separated chunks' ids one after the other, each chunk's as the backend gives
+    it alone: on real and hostile texts, on each BertNormalizer setting, with added tokens that strip whitespace or
+    match only whole words, matched or not (``split_special_tokens``); the first pass learns the chunks (one
+    backend call on them joined), the second answers from what it learned."""
+    backend = _backend_without_cuts(load_tokenizer(MINILM))
+    options = {"cased": {"lowercase": False}, "accents_stripped": {"strip_accents": True},
+               "cased_no_accent_strip_no_cjk": {"lowercase": False, "strip_accents": False,
+                                                "handle_chinese_chars": False}}.get(variant)
+    if options is not None:
+        backend.normalizer = BertNormalizer(clean_text=True, **options)
+    if variant.startswith("added_tokens"):
+        backend.add_tokens([AddedToken("hello", single_word=True, lstrip=True, rstrip=True, normalized=True),
+                            AddedToken("Wörld", normalized=False), AddedToken("ab")])
+        backend.encode_special_tokens = variant == "added_tokens_split"
+    chunks = ChunkTokenizer.of(backend)
+    assert chunks is not None
+    texts = _texts_to_split(random.Random(variant))
+    expected = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    for _ in range(2):
+        assert [chunks(texts[i:i + 64]) for i in range(0, len(texts), 64)] == \
+            [expected[i:i + 64] for i in range(0, len(texts), 64)]
+    assert len(chunks.known) > 1000
+
+
+def test_no_chunk_tokenizer_where_ids_are_not_the_chunks(tmp_path):
+    """Other pipelines (SentencePiece's, XLM-R's) and an added token that holds whitespace (it can span chunks)
+    keep the backend's own call."""
+    for kind in ("xlmr_e5", "spm_unigram"):
+        assert ChunkTokenizer.of(build_tokenizer(kind, tmp_path).backend_tokenizer) is None
+    backend = _backend_without_cuts(load_tokenizer(MINILM))
+    assert ChunkTokenizer.of(backend) is not None
+    backend.add_tokens([AddedToken("new york")])
+    assert ChunkTokenizer.of(backend) is None
+    assert ChunkTokenizer.of(_backend_without_cuts(load_tokenizer(MINILM))) is not None
+    unclean = _backend_without_cuts(load_tokenizer(MINILM))
+    unclean.normalizer = BertNormalizer(clean_text=False)  # control characters then stay inside words
+    assert ChunkTokenizer.of(unclean) is None
+
+
+def test_chunk_tokenizer_remembers_a_bounded_number_of_short_chunks(monkeypatch):
+    """A loader worker's dictionary stops growing at MAX_CHUNKS chunks of at most MAX_CHUNK_CHARS characters; the
+    chunks it no longer learns are encoded each time, with the same ids."""
+    monkeypatch.setattr(chunk_tokenizer, "MAX_CHUNKS", 300)
+    backend = _backend_without_cuts(load_tokenizer(MINILM))
+    chunks = ChunkTokenizer.of(backend)
+    texts = _texts_to_split(random.Random(3))[:2000] + ["x" * 65 + " " + "y" * 64]
+    expected = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    for _ in range(2):
+        assert chunks(texts) == expected
+    assert len(chunks.known) == 300
+    assert max(map(len, chunks.known)) <= chunk_tokenizer.MAX_CHUNK_CHARS == 64
+    fresh = ChunkTokenizer.of(backend)
+    fresh(texts[-1:])
+    assert list(fresh.known) == ["y" * 64]

@@ -4,9 +4,11 @@ call ``tokenizer(texts, padding=True, truncation=True, max_length=L, return_tens
 The HF call reconfigures the tokenizer's shared Rust backend, runs ``encode_batch`` (which also computes
 character offsets, unused here), frames, pads, and copies every token of every key through Python lists into
 ``torch.tensor``. Here a copy of the backend, configured once, runs ``encode_batch_fast`` (no offsets) for the
-texts' own tokens, already cut to what truncation keeps, and ``frame_and_pad`` does the rest in numpy: the
-tokenizer's special tokens around each row (``Framing``, read off its own output), its padding side and ids,
-token types and attention mask, all in [batch, width] arrays without a Python step per token. Pre-tokenized
+texts' own tokens, already cut to what truncation keeps (for BERT's WordPiece pipeline, ``ChunkTokenizer``
+answers for the chunks of text it has met before and asks the backend for the others), and ``frame_and_pad``
+does the rest in numpy: the tokenizer's special tokens around each row (``Framing``, read off its own output),
+its padding side and ids, token types and attention mask, all in [batch, width] arrays without a Python step per
+token. Pre-tokenized
 ids (``data_prep tokenize``) take the same path from their second half. A tokenizer without a Rust backend (a
 slow, pure-Python one), or one whose class adds steps to the HF call (LayoutLM, LUKE, mBART's language modes,
 …), keeps the HF call.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from clsys.data.chunk_tokenizer import ChunkTokenizer
 
 # The HF methods between ``tokenizer(texts, ...)`` and the backend's ``encode_batch``, as of transformers 5.
 _CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
@@ -116,10 +120,16 @@ class BatchTokenizer:
         backend.encode_special_tokens = tokenizer.split_special_tokens
         return backend
 
+    @functools.cached_property
+    def chunks(self) -> ChunkTokenizer | None:
+        """The backend's ids remembered chunk by chunk, where the backend is BERT's WordPiece pipeline."""
+        return ChunkTokenizer.of(self.backend) if self.backend is not None else None
+
     def __getstate__(self) -> dict:
         # The copy does not travel (to loader workers, in a deep copy): the tokenizer does, and each
         # process builds its own copy from it, instead of unpickling both (~1 s each for XLM-R's 250k pieces).
-        return {k: v for k, v in self.__dict__.items() if k != "backend"}
+        # Nor does the chunk tokenizer's dictionary: each process learns its own.
+        return {k: v for k, v in self.__dict__.items() if k not in ("backend", "chunks")}
 
     def __call__(self, texts: list[str], copies: int = 1) -> dict[str, torch.Tensor]:
         """The HF call's tensors for ``texts``, the batch repeated ``copies`` times (rows [0, B) the first)."""
@@ -128,8 +138,14 @@ class BatchTokenizer:
                                    max_length=self.max_length, return_tensors="pt",
                                    return_token_type_ids=self.token_type_ids)
             return {key: value.repeat(copies, 1) for key, value in batch.items()}
-        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
-        return self.frame_and_pad([e.ids for e in encodings], copies)
+        return self.frame_and_pad(self.text_ids(texts), copies)
+
+    def text_ids(self, texts: list[str]) -> list[list[int]]:
+        """Each text's own tokens (no special tokens), at least as many as truncation keeps: the backend's, through
+        the chunk tokenizer where there is one."""
+        if self.chunks is not None:
+            return self.chunks(texts)
+        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def frame_and_pad(self, ids: list, copies: int = 1) -> dict[str, torch.Tensor]:
         """The HF call's tensors for the texts whose own tokens (no special tokens; lists or int arrays, cut or
