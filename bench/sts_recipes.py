@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the clsys SimCSE runs (repeatable): the variant measured")
+    parser.add_argument("--shards", default="", metavar="DIR",
+                        help="data_prep wiki output the SimCSE arms train on (default: the bundled sample, written now)")
     parser.add_argument("--no-st", action="store_true", help="leave the sentence-transformers arm out")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
@@ -214,7 +216,7 @@ def main() -> None:
     from clsys.recipes import load_config
     from clsys.engine.deepspeed import step_precision
 
-    wiki = str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
+    wiki = args.shards or str(sample_shards(Path(out) / "shards" / "enwiki-sample"))
     stsb = sts_sentence_stream(os.path.join(out, "shards", "stsb-sentences"), ["stsb-en-train", "stsb-en-dev",
                                                                                 "stsb-en-test"])
     seeds = [args.first_seed + i for i in range(args.seeds)]
