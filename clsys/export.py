@@ -29,7 +29,7 @@ from clsys import storage
 from clsys.storage import integrity
 from clsys.engine.checkpoint import latest_checkpoint, listed_apart, required_files, weights_only_loads
 from clsys.engine.selection import BEST_RECORD, read_best
-from clsys.model.folder import (RECORD, check_replaceable, encoder_weights, publish, source_max_seq_length,
+from clsys.model.folder import (RECORD, ExportSpec, check_replaceable, publish, source_max_seq_length,
                                 write_model, write_reranker)
 from clsys.model.card import write_card
 
@@ -107,14 +107,15 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
         base_model = meta["config"]["model"]["name"]
-        weights = encoder_weights(state, meta)
-        pooler = write_model(folder, weights, config, hf_dir, meta["export_pooling"],
+        spec = ExportSpec.from_meta(meta)
+        weights = spec.encoder_weights(state)
+        pooler = write_model(folder, weights, config, hf_dir, spec.pooling,
                              source_max_seq_length(base_model, config), url,
                              base_model if meta["config"]["model"]["init"] == "pretrained" else "")
-        if meta.get("export_reranker_map"):
-            write_reranker(os.path.join(folder, "reranker"), weights, state, meta, config, hf_dir)
+        if spec.reranker_map:
+            write_reranker(os.path.join(folder, "reranker"), weights, state, spec.reranker_map, config, hf_dir)
         record = {"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
-                  "pooling": meta["export_pooling"], "pooler": pooler}
+                  "pooling": spec.pooling, "pooler": pooler}
         with open(os.path.join(folder, RECORD), "w") as f:
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])

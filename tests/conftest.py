@@ -279,11 +279,8 @@ class RankCheckpoints:
             self.objective.encoder().config.save_pretrained(folder)
 
         writer = CheckpointWriter(self.engine, run, keep=10)
-        encoder_prefix = next(name for name, module in self.objective.named_modules()
-                              if module is self.objective.encoder())
         meta = {"world_size": self.world, "config": self.cfg.to_dict(), "precision": self.cfg.train.precision,
-                "objective": "simcse", "export_pooling": self.objective.export_pooling(),
-                "encoder_prefix": encoder_prefix, "export_head_map": {}, "export_reranker_map": {}}
+                "objective": "simcse", **self.objective.export_spec().to_meta()}
         url = writer.save(step, {"loader": {"rank": self.rank}}, meta, hf_files)
         writer.wait()
         return url

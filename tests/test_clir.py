@@ -287,7 +287,7 @@ def test_exported_reranker_scores_like_the_rr_head(tiny_model, tmp_path):
     state = objective.state_dict()
     prefix = "model."
     weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    write_reranker(str(tmp_path / "reranker"), weights, state, {"export_reranker_map": objective.export_reranker_map()},
+    write_reranker(str(tmp_path / "reranker"), weights, state, objective.export_spec().reranker_map,
                    AutoConfig.from_pretrained(tiny_model), tiny_model)
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "reranker").eval()
     queries, docs = ["Where does the river flow?", "How long is it?"], ["Der Fluss fließt nach Norden.", "Er ist lang."]
@@ -364,9 +364,7 @@ def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> 
     batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
     engine.backward(engine(batch).loss)
     engine.step()
-    meta = {"world_size": 1, "objective": "clir", "export_pooling": objective.export_pooling(),
-            "encoder_prefix": "model", "export_head_map": {}, "export_reranker_map": objective.export_reranker_map(),
-            "config": objective.cfg.to_dict()}
+    meta = {"world_size": 1, "objective": "clir", **objective.export_spec().to_meta(), "config": objective.cfg.to_dict()}
 
     def hf_files(folder: str) -> None:
         objective.tokenizer.save_pretrained(folder)

@@ -85,7 +85,7 @@ def test_zero3_is_refused(tiny):
 def test_registered_and_interface(tiny):
     assert OBJECTIVES["css_lm"] is CSSLM and CSSLM.config_class is CSSLMConfig
     objective = make(tiny)
-    assert CSSLM.streams(objective.cfg) == ["sentences"] and objective.export_pooling() == "cls"
+    assert CSSLM.streams(objective.cfg) == ["sentences"] and objective.export_spec().pooling == "cls"
     assert objective.encoder() is objective.model
     corpus = objective.collate([{"txt": t, "__key__": str(i)} for i, t in enumerate(CORPUS[:3])])
     assert torch.equal(corpus["corpus_input_ids"], objective.collate_corpus(CORPUS[:3])["input_ids"])

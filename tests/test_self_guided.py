@@ -198,7 +198,7 @@ def test_collate_export_and_config_checks(tiny_bert):
     obj = SelfGuided(cfg, tokenizer=load_tokenizer("all-MiniLM-L6-v2"))
     batch = obj.collate([{"txt": "a short sentence."}, {"txt": "a somewhat longer sentence than that."}])
     assert batch["input_ids"].shape[0] == 2  # one copy per sentence, not two views
-    assert obj.encoder() is obj.model and obj.export_pooling() == "cls"
+    assert obj.encoder() is obj.model and obj.export_spec().pooling == "cls"
     assert SelfGuided.streams(cfg) == ["sentences"]
     for bad in ({"loss": "opt3"}, {"layer_pooling": "cls"}):
         with pytest.raises(ValueError):

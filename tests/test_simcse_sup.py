@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clsys.config import Config
-from clsys.model.folder import encoder_weights, with_pooler, write_model
+from clsys.model.folder import with_pooler, write_model
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.simcse import SimCSE, SimCSEConfig
 from test_contrastive import naive_info_nce
@@ -89,9 +89,9 @@ def test_export_cls_mlp_is_hf_pooler_and_sentence_transformers_dense(tiny_model,
     with torch.no_grad():  # a trained-looking MLP, not the fresh init
         objective.mlp.dense.weight.normal_(0, 0.3)
         objective.mlp.dense.bias.normal_(0, 0.3)
-    meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
+    spec = objective.export_spec()
     folder = tmp_path / "export"
-    write_model(str(folder), encoder_weights(objective.state_dict(), meta), objective.model.config,
+    write_model(str(folder), spec.encoder_weights(objective.state_dict()), objective.model.config,
                 tiny_model, "cls_mlp", 32, "test", tiny_model)
 
     sentences = ["a man plays outside", "the dog sleeps inside"]
@@ -117,9 +117,9 @@ def test_export_unsupervised_keeps_raw_cls_and_the_base_pooler(tiny_model, tmp_p
     from clsys.model.encoder import pooler_weights
 
     objective = make_objective(tiny_model)
-    meta = {"encoder_prefix": "model", "export_head_map": objective.export_head_map()}
-    assert meta["export_head_map"] == {}
-    pooler = write_model(str(tmp_path), encoder_weights(objective.state_dict(), meta), objective.model.config,
+    spec = objective.export_spec()
+    assert spec.head_map == {}
+    pooler = write_model(str(tmp_path), spec.encoder_weights(objective.state_dict()), objective.model.config,
                          tiny_model, "cls", 32, "test", tiny_model)
     assert pooler == f"{tiny_model}'s, untrained"
     saved, base = load_file(tmp_path / "model.safetensors"), pooler_weights(tiny_model)
@@ -128,8 +128,8 @@ def test_export_unsupervised_keeps_raw_cls_and_the_base_pooler(tiny_model, tmp_p
     assert not torch.equal(saved["pooler.dense.weight"], objective.mlp.dense.weight.detach())
     assert not (tmp_path / "2_Dense").exists()
     # From scratch (no base weights to take): a fixed initialisation, the same on every export.
-    fresh, pooler = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, "")
-    again, _ = with_pooler(encoder_weights(objective.state_dict(), meta), objective.model.config, "")
+    fresh, pooler = with_pooler(spec.encoder_weights(objective.state_dict()), objective.model.config, "")
+    again, _ = with_pooler(spec.encoder_weights(objective.state_dict()), objective.model.config, "")
     assert pooler == "initialised (seed 0), untrained" and torch.equal(fresh["pooler.dense.weight"],
                                                                        again["pooler.dense.weight"])
 

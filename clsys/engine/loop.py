@@ -179,11 +179,8 @@ class Trainer:
 
     def checkpoint_meta(self) -> dict:
         """What every checkpoint records of the run, for export and resume."""
-        objective, cfg = self.objective, self.cfg
-        encoder_prefix = next(name for name, module in objective.named_modules() if module is objective.encoder())
-        return {"world_size": self.world, "objective": cfg.objective.name, "export_pooling": objective.export_pooling(),
-                "encoder_prefix": encoder_prefix, "export_head_map": objective.export_head_map(),
-                "export_reranker_map": objective.export_reranker_map(),
+        cfg = self.cfg
+        return {"world_size": self.world, "objective": cfg.objective.name, **self.objective.export_spec().to_meta(),
                 "precision": self.precision, "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
 
     def run(self) -> None:

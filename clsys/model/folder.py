@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,14 +97,42 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def encoder_weights(state: dict, meta: dict) -> dict:
-    """The exported encoder's state dict, from the objective's: the encoder's own weights under
-    ``meta["encoder_prefix"]``, plus the heads ``meta["export_head_map"]`` maps into it (e.g. an MLP
-    that becomes the pooler)."""
-    prefix = meta["encoder_prefix"] + "."
-    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    weights.update({name: state[key] for name, key in meta.get("export_head_map", {}).items()})
-    return weights
+@dataclass(frozen=True)
+class ExportSpec:
+    """What an objective's trained weights export as (``Objective.export_spec``), recorded in every checkpoint.
+
+    ``pooling``: how sentence embeddings are pooled from the encoder at inference: ``cls``/``mean``/``max``, or
+    ``cls_mlp``, ``[CLS]`` through the encoder's pooler (dense + tanh), whose weights ``head_map`` supplies.
+    ``encoder_prefix``: where the encoder's own weights sit in the objective's state dict. ``head_map``: heads the
+    objective trains outside the encoder that ship inside it (its parameter names as exported → the objective's
+    state-dict keys: an MLP that becomes the pooler). ``reranker_map``: a (query, document) relevance head, as the
+    parameter names of a 2-label Hugging Face ``*ForSequenceClassification`` model that are not the encoder's own →
+    the objective's keys; export writes that model to ``<export>/reranker``. Empty maps: nothing of the kind.
+    """
+
+    pooling: str
+    encoder_prefix: str
+    head_map: dict[str, str] = field(default_factory=dict)
+    reranker_map: dict[str, str] = field(default_factory=dict)
+
+    def to_meta(self) -> dict:
+        """The checkpoint meta's keys (``clsys_state.json``), named as every clsys checkpoint has named them."""
+        return {"export_pooling": self.pooling, "encoder_prefix": self.encoder_prefix,
+                "export_head_map": self.head_map, "export_reranker_map": self.reranker_map}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> ExportSpec:
+        """The spec a checkpoint recorded (one written before the maps were recorded has none)."""
+        return cls(meta["export_pooling"], meta["encoder_prefix"], meta.get("export_head_map", {}),
+                   meta.get("export_reranker_map", {}))
+
+    def encoder_weights(self, state: dict) -> dict:
+        """The exported encoder's state dict, from the objective's ``state``: the encoder's own weights, plus the
+        heads ``head_map`` maps into it."""
+        prefix = self.encoder_prefix + "."
+        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        weights.update({name: state[key] for name, key in self.head_map.items()})
+        return weights
 
 
 def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
@@ -154,15 +183,17 @@ def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: 
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
 
 
-def write_reranker(folder: str, weights: dict, state: dict, meta: dict, config, tokenizer_dir: str) -> None:
-    """The objective's relevance head with the encoder as a 2-label ``AutoModelForSequenceClassification``
-    in ``folder`` (scores are its logit 1, see ``clsys.eval.retrieval.hf_reranker``)."""
+def write_reranker(folder: str, weights: dict, state: dict, reranker_map: dict[str, str], config,
+                   tokenizer_dir: str) -> None:
+    """The objective's relevance head (``ExportSpec.reranker_map`` into its ``state``) with the encoder's
+    ``weights`` as a 2-label ``AutoModelForSequenceClassification`` in ``folder`` (scores are its logit 1, see
+    ``clsys.eval.retrieval.hf_reranker``)."""
     from transformers import AutoModelForSequenceClassification
 
     model = with_global_attention(AutoModelForSequenceClassification.from_config(
         config.__class__.from_dict({**config.to_dict(), "num_labels": 2})))
     full = {f"{model.base_model_prefix}.{k}": v for k, v in weights.items()}
-    full.update({name: state[key] for name, key in meta["export_reranker_map"].items()})
+    full.update({name: state[key] for name, key in reranker_map.items()})
     _save_filled(model, full, folder, tokenizer_dir, "reranker")
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig, check_closed_sets
 from clsys.model import packing
+from clsys.model.folder import ExportSpec
 
 
 @dataclass
@@ -111,12 +112,6 @@ class Objective(nn.Module):
         """[B, d]: ``model``'s last-layer ``[CLS]`` vectors; packed, its last layer computes those alone."""
         return packing.encode_first(model, inputs, self.cfg.model.packed, self.cfg.model.packed_attention)
 
-    def export_reranker_map(self) -> dict[str, str]:
-        """For objectives that train a (query, document) relevance head: the parameter names of a
-        Hugging Face ``*ForSequenceClassification`` model (2 labels) that are not the encoder's own →
-        this objective's state-dict keys. Export then writes that model to ``<export>/reranker``."""
-        return {}
-
     def reranker(self):
         """A (queries, documents) → relevance scores function for retrieval evaluation, or None."""
         return None
@@ -175,17 +170,11 @@ class Objective(nn.Module):
                     params.append(p)
         return params
 
-    def export_pooling(self) -> str:
-        """How sentence embeddings are pooled from ``encoder()`` at inference.
-
-        ``cls``/``mean``/``max``, or ``cls_mlp``: ``[CLS]`` through the encoder's pooler (dense + tanh),
-        whose weights ``export_head_map`` supplies.
-        """
+    def export_spec(self) -> ExportSpec:
+        """What export writes of the trained weights: the inference pooling and the heads that ship with the
+        encoder or as its reranker (``clsys.model.folder.ExportSpec``), recorded in every checkpoint."""
         raise NotImplementedError
 
-    def export_head_map(self) -> dict[str, str]:
-        """Encoder parameter names (as in the exported HF model) → this objective's state-dict keys.
-
-        For heads the objective trains outside ``encoder()`` but that ship with the exported model.
-        """
-        return {}
+    def encoder_prefix(self) -> str:
+        """Where ``encoder()``'s weights sit in this objective's state dict."""
+        return next(name for name, module in self.named_modules() if module is self.encoder())

@@ -52,6 +52,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, pool
+from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective
 
 
@@ -278,17 +279,16 @@ class CLIR(Objective):
     def head_modules(self) -> list[nn.Module]:
         return [self.mlm_head, self.rr_head]
 
-    def export_pooling(self) -> str:
-        return self.oc.export_pooling
-
-    def export_reranker_map(self) -> dict[str, str]:
-        """The RR head as a ``BertForSequenceClassification`` (pooler + 2-way classifier) → our keys."""
-        if "rr" not in self.oc.tasks:
-            return {}
-        names = {"pooler.dense.weight": "rr_head.0.dense.weight", "pooler.dense.bias": "rr_head.0.dense.bias",
-                 "classifier.weight": "rr_head.2.weight", "classifier.bias": "rr_head.2.bias"}
-        prefix = self.model.base_model_prefix
-        return {(k if k.startswith("classifier") else f"{prefix}.{k}"): v for k, v in names.items()}
+    def export_spec(self) -> ExportSpec:
+        """The bi-encoder's pooling, and the RR head as a ``BertForSequenceClassification`` (pooler + 2-way
+        classifier) → our keys."""
+        reranker = {}
+        if "rr" in self.oc.tasks:
+            names = {"pooler.dense.weight": "rr_head.0.dense.weight", "pooler.dense.bias": "rr_head.0.dense.bias",
+                     "classifier.weight": "rr_head.2.weight", "classifier.bias": "rr_head.2.bias"}
+            prefix = self.model.base_model_prefix
+            reranker = {(k if k.startswith("classifier") else f"{prefix}.{k}"): v for k, v in names.items()}
+        return ExportSpec(self.oc.export_pooling, self.encoder_prefix(), reranker_map=reranker)
 
     def reranker(self):
         """Scores (query, document) pairs with the RR head's "relevant" logit (how the original ranks)."""

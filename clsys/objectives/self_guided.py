@@ -38,6 +38,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import build_encoder, pool
+from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
 
@@ -214,5 +215,5 @@ class SelfGuided(Objective):
     def encoder(self) -> nn.Module:
         return self.model
 
-    def export_pooling(self) -> str:
-        return "cls"  # SG-BERT's inference embedding is BERT_T's last-layer [CLS] (§5.4)
+    def export_spec(self) -> ExportSpec:
+        return ExportSpec("cls", self.encoder_prefix())  # SG-BERT's inference embedding: BERT_T's last-layer [CLS] (§5.4)

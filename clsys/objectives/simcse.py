@@ -23,6 +23,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import Pooling, build_encoder, build_masked_lm, pool
+from clsys.model.folder import ExportSpec
 from clsys.model.loading import POOLER_MODEL_TYPES
 from clsys.objectives.base import DataSpec, LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
@@ -163,11 +164,8 @@ class SimCSE(Objective):
     def encoder(self) -> nn.Module:
         return self.model
 
-    def export_pooling(self) -> str:
-        return self.cfg.objective.export_pooling
-
-    def export_head_map(self) -> dict[str, str]:
+    def export_spec(self) -> ExportSpec:
+        pooling = self.cfg.objective.export_pooling
         # cls_mlp: the MLP is exactly BERT's pooler (dense + tanh on [CLS]), so it is exported as one.
-        if self.export_pooling() != "cls_mlp":
-            return {}
-        return {f"pooler.dense.{p}": f"mlp.dense.{p}" for p in ("weight", "bias")}
+        pooler = {f"pooler.dense.{p}": f"mlp.dense.{p}" for p in ("weight", "bias")} if pooling == "cls_mlp" else {}
+        return ExportSpec(pooling, self.encoder_prefix(), head_map=pooler)

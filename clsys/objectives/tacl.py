@@ -30,6 +30,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, build_masked_lm
+from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective
 from clsys.objectives.contrastive import cosine_logits
 
@@ -172,5 +173,5 @@ class TaCL(Objective):
     def encoder(self) -> nn.Module:
         return self.model
 
-    def export_pooling(self) -> str:
-        return self.oc.export_pooling
+    def export_spec(self) -> ExportSpec:
+        return ExportSpec(self.oc.export_pooling, self.encoder_prefix())

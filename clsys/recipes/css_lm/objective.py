@@ -54,6 +54,7 @@ from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
+from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, top_k, two_views)
@@ -374,5 +375,5 @@ class CSSLM(Objective):
     def encoder(self) -> nn.Module:
         return self.model
 
-    def export_pooling(self) -> str:
-        return "cls"  # the class view u
+    def export_spec(self) -> ExportSpec:
+        return ExportSpec("cls", self.encoder_prefix())  # the class view u
