@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from clsys.engine.ranks import ProcessGroupRanks
 from clsys.objectives.contrastive import alignment_uniformity, cosine_logits, info_nce
+from clsys.objectives.ranks import ONE_PROCESS, Ranks
 from conftest import free_port
 
 
@@ -76,8 +78,8 @@ def _batch(rows: int):
     return [torch.randn(rows, 6, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
-def _loss(model, x1, x2, x3, negatives: bool):
-    return info_nce(model(x1), model(x2), 0.05, model(x3) if negatives else None, 0.5)
+def _loss(model, x1, x2, x3, negatives: bool, ranks: Ranks = ONE_PROCESS):
+    return info_nce(model(x1), model(x2), 0.05, model(x3) if negatives else None, 0.5, ranks)
 
 
 def _rank_grads(rank: int, world: int, port: int, rows: int, negatives: bool, out: str) -> None:
@@ -85,7 +87,7 @@ def _rank_grads(rank: int, world: int, port: int, rows: int, negatives: bool, ou
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model()
     local = [x[rank * rows:(rank + 1) * rows] for x in _batch(world * rows)]
-    _loss(model, *local, negatives).backward()
+    _loss(model, *local, negatives, ProcessGroupRanks()).backward()
     grads = []
     for param in model.parameters():
         # What DeepSpeed (and DDP) do with the per-rank gradients: average them over ranks.

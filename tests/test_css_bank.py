@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from clsys import storage
+from clsys.engine.ranks import ProcessGroupRanks
 from clsys.recipes.css_lm.pair_heads import pair_logits, pairwise_same_label_loss
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, gather_texts, load_all, load_shard,
                                   relevance_scores, retrieved_group, sample_rank_positions, save_shard, top_k,
@@ -163,20 +164,21 @@ def _problem():
 def _rank_retrieval(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ranks = ProcessGroupRanks()
     queries, scorers, bank, bounds = _problem()
     start, stop = bounds[rank]
     local = RetrievalBank(bank.u[start:stop], bank.v[start:stop], bank.texts[start:stop], offset=start)
     result = {}
     for k in (7, 12, 23):  # 12 and 23 exceed rank 0's 10 rows
-        result[k] = distributed_top_k(*queries, local, *scorers, k=k, chunk_rows=4)
-    result["texts"] = gather_texts(result[7][1], local)
+        result[k] = distributed_top_k(*queries, local, *scorers, k=k, ranks=ranks, chunk_rows=4)
+    result["texts"] = gather_texts(result[7][1], local, ranks)
     # Shards need not follow rank order: here rank 0 holds the later rows.
     start, stop = bounds[1 - rank]
     swapped = RetrievalBank(bank.u[start:stop], bank.v[start:stop], bank.texts[start:stop], offset=start)
-    result["swapped"] = distributed_top_k(*queries, swapped, *scorers, k=7, chunk_rows=4)
-    result["swapped_texts"] = gather_texts(result["swapped"][1], swapped)
+    result["swapped"] = distributed_top_k(*queries, swapped, *scorers, k=7, ranks=ranks, chunk_rows=4)
+    result["swapped_texts"] = gather_texts(result["swapped"][1], swapped, ranks)
     try:
-        distributed_top_k(*queries, local, *scorers, k=24)
+        distributed_top_k(*queries, local, *scorers, k=24, ranks=ranks)
     except ValueError as err:
         result["error"] = str(err)
     save_shard(os.path.join(out, "bank"), rank, world, local)

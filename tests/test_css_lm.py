@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from clsys.config import Config
+from clsys.engine.ranks import ProcessGroupRanks
 from clsys.model.encoder import load_tokenizer
 from clsys.recipes import OBJECTIVES
 from clsys.recipes.css_lm.objective import CSSLM, CSSLMConfig
@@ -330,6 +331,7 @@ def _rank_css(rank: int, world: int, port: int, tiny: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     objective = make(tiny, stage="css", k=K)
+    objective.ranks = ProcessGroupRanks()  # what build_engine hands it in training
     bank = random_bank(BANK_ROWS, seed=4)
     start, stop = SHARDS[rank]
     objective.attach_bank(RetrievalBank(bank.u[start:stop], bank.v[start:stop], bank.texts[start:stop], start))

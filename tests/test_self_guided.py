@@ -9,6 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from clsys.config import Config, ModelConfig, TrainConfig
+from clsys.engine.ranks import ProcessGroupRanks
+from clsys.objectives.ranks import ONE_PROCESS
 from clsys.objectives.self_guided import LOSS_FNS, ProjectionHead, SelfGuided, SelfGuidedConfig, pool_layers
 from conftest import free_port
 
@@ -224,7 +226,8 @@ def _inputs(rows: int):
 def _grads(loss: str, rows: slice, gather: bool, total: int) -> list[torch.Tensor]:
     head = _head()
     c, h, h_layers = (x[rows] for x in _inputs(total))
-    LOSS_FNS[loss](head(c), head(h_layers if loss == "sg_opt" else h), TAU, gather=gather).backward()
+    ranks = ProcessGroupRanks() if gather else ONE_PROCESS
+    LOSS_FNS[loss](head(c), head(h_layers if loss == "sg_opt" else h), TAU, ranks).backward()
     return [p.grad for p in head.parameters()]
 
 

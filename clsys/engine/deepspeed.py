@@ -7,8 +7,10 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from clsys.config import Config
+from clsys.engine.ranks import ProcessGroupRanks
 
 
 def init_distributed() -> None:
@@ -145,7 +147,8 @@ def parameter_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
 
 
 def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = False):
-    """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out).
+    """A DeepSpeed engine over the objective's trainable parameters (frozen ones stay out); the objective gets the
+    process group's collectives (``objective.ranks``, ``clsys.engine.ranks``).
 
     ``load_universal``: the checkpoint it will restore was written by another number of ranks."""
     import deepspeed
@@ -154,6 +157,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, load_universal: bool = Fal
     # On the device before the optimizer exists, so that a fused optimizer sees device tensors.
     device = torch.device(get_accelerator().current_device_name())
     model.to(device)
+    if dist.is_initialized():
+        model.ranks = ProcessGroupRanks()  # the objective's collectives, over the engine's process group
     if cfg.train.compile:
         compile_models(model)
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.optim.lr, betas=cfg.optim.betas,

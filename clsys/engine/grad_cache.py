@@ -17,7 +17,7 @@ batch, and joins that chunk's surrogate.
 Under DeepSpeed every chunk's backward goes through ``engine.backward`` (ZeRO-2 reduces and partitions
 the gradients as they arrive, as for gradient accumulation), with the accumulation boundary held off
 until the last chunk of the last micro-step; the loop's one ``engine.step`` per micro-step is unchanged.
-The loss of step 2 may gather embeddings across ranks (``gather_with_grad``): its backward's all-reduce
+The loss of step 2 may gather embeddings across ranks (``Ranks.gather_with_grad``): its backward's all-reduce
 then runs on every rank in the same order, before any chunk's backward.
 """
 from __future__ import annotations

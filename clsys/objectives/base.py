@@ -2,8 +2,9 @@
 
 An objective is an ``nn.Module`` that owns everything trainable (encoder, heads) and anything frozen (teacher
 copies) and returns a ``LossOutput``; its ``data`` (a ``DataSpec``) declares which shard streams it reads and how
-samples become a batch, and is all the loader's worker processes get. The engine never knows which objective
-it runs.
+samples become a batch, and is all the loader's worker processes get; its ``export_spec()`` says what export
+writes; it reaches the other ranks only through the ``ranks`` the engine hands it. The engine never knows which
+objective it runs.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig, check_closed_sets
 from clsys.model import packing
 from clsys.model.folder import ExportSpec
+from clsys.objectives.ranks import ONE_PROCESS, Ranks
 
 
 @dataclass
@@ -73,6 +75,9 @@ class DataSpec:
 class Objective(nn.Module):
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     data_class: ClassVar[type[DataSpec]] = DataSpec  # its data side's class
+    # The data-parallel ranks and their collectives (clsys.objectives.ranks): one process until the engine hands
+    # the objective its process group's (build_engine).
+    ranks: Ranks = ONE_PROCESS
 
     def __init__(self, cfg: Config, tokenizer):
         super().__init__()

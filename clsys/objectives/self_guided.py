@@ -19,7 +19,7 @@ The original code's SG (2b logits, b labels, /b) and OPT2 (one h_j negative drop
 (§5.5.6); this file implements the formulas, and the tests check them against loop references.
 
 Cross-rank negatives (``gather``, off by default: the original trains b = 16 on one GPU, §5.5.3):
-every candidate view (h, and c for sg/opt1) is all-gathered with ``gather_with_grad``; anchors stay
+every candidate view (h, and c for sg/opt1) is all-gathered (``Ranks.gather_with_grad``); anchors stay
 local and each rank averages over its own anchors, so W ranks × B sentences give exactly the
 gradient of one process × W·B sentences (contrastive.py). Off, each rank contrasts its micro-batch
 alone: the per-rank negatives shrink to B−1 sentences and the gradient is the average of W
@@ -40,7 +40,8 @@ from clsys.data.pretokenized import SentenceBatcher
 from clsys.model.encoder import build_encoder, pool
 from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective, add_losses
-from clsys.objectives.contrastive import cosine_logits, gather_with_grad, info_nce
+from clsys.objectives.contrastive import cosine_logits, info_nce
+from clsys.objectives.ranks import ONE_PROCESS, Ranks
 
 
 @dataclass
@@ -76,20 +77,16 @@ def pool_layers(hidden_states: tuple[torch.Tensor, ...], attention_mask: torch.T
     return torch.stack([pool(h, attention_mask, kind) for h in hidden_states], dim=1)
 
 
-def _gather(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
-    return gather_with_grad(x) if gather else (x, 0)
-
-
 def _excluding(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``logits`` with the entries at (rows[i], cols[i]) set to −inf: removed from the softmax."""
     return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
-def sg_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+def sg_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
     """SG: NT-Xent over the 2b anchors {c_i} ∪ {h_i}, each against all views but itself, mean over 2b."""
     b = c.shape[0]
-    cands_c, offset = _gather(c, gather)
-    cands_h, _ = _gather(h, gather)
+    cands_c, offset = ranks.gather_with_grad(c)
+    cands_h, _ = ranks.gather_with_grad(h)
     n = cands_c.shape[0]
     local = torch.arange(b, device=c.device)
     rows = torch.arange(2 * b, device=c.device)
@@ -100,27 +97,27 @@ def sg_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool =
     return F.cross_entropy(_excluding(logits, rows, own), partner)
 
 
-def opt1_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+def opt1_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
     """OPT1: anchors c_i only; positive h_i; negatives c_j and h_j, j ≠ i."""
-    cands_c, offset = _gather(c, gather)
-    cands_h, _ = _gather(h, gather)
+    cands_c, offset = ranks.gather_with_grad(c)
+    cands_h, _ = ranks.gather_with_grad(h)
     local = torch.arange(c.shape[0], device=c.device)
     logits = cosine_logits(c, torch.cat([cands_c, cands_h]), temperature)
     return F.cross_entropy(_excluding(logits, local, local + offset), local + cands_c.shape[0] + offset)
 
 
-def opt2_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+def opt2_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
     """OPT2: anchors c_i only; positive h_i; negatives h_j, j ≠ i (plain InfoNCE)."""
-    return info_nce(c, h, temperature, gather=gather)
+    return info_nce(c, h, temperature, ranks=ranks)
 
 
-def sg_opt_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, gather: bool = False) -> torch.Tensor:
+def sg_opt_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
     """SG-OPT (§5.2): c [b, P] against every layer view h [b, V, P]; mean over the b·V (anchor, layer) terms.
 
     ℓ_{i,k} = −log φ(c_i, h_{i,k}) / (φ(c_i, h_{i,k}) + Σ_m Σ_{j≠i} φ(c_i, h_{j,m})).
     """
     b, views, dim = h.shape
-    cands, row_offset = _gather(h.reshape(b * views, dim), gather)
+    cands, row_offset = ranks.gather_with_grad(h.reshape(b * views, dim))
     logits = cosine_logits(c, cands, temperature).view(b, -1, views)  # [anchor i, sentence j, layer m]
     local = torch.arange(b, device=c.device)
     own = local + row_offset // views
@@ -203,7 +200,8 @@ class SelfGuided(Objective):
 
     def embedding_loss(self, z: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
         c, h = z[:, 0], (z[:, 1:] if self.oc.loss == "sg_opt" else z[:, 1])  # sg_opt: every layer view
-        contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, gather=self.oc.gather)
+        ranks = self.ranks if self.oc.gather else ONE_PROCESS
+        contrastive = LOSS_FNS[self.oc.loss](c, h, self.oc.temperature, ranks)
         return LossOutput(contrastive, {"loss": contrastive.detach(), "contrastive": contrastive.detach()})
 
     def forward(self, batch: dict[str, torch.Tensor], part: str = "loss",

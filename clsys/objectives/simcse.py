@@ -27,6 +27,7 @@ from clsys.model.folder import ExportSpec
 from clsys.model.loading import POOLER_MODEL_TYPES
 from clsys.objectives.base import DataSpec, LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
+from clsys.objectives.ranks import ONE_PROCESS
 
 
 @dataclass
@@ -141,7 +142,8 @@ class SimCSE(Objective):
         else:
             (z1, z2), z3 = z.chunk(2), None
         loss = info_nce(z1, z2, self.temperature, hard_negatives=z3,
-                        hard_negative_weight=self.hard_negative_weight, gather=self.gather)
+                        hard_negative_weight=self.hard_negative_weight,
+                        ranks=self.ranks if self.gather else ONE_PROCESS)
         return LossOutput(loss, {"loss": loss.detach(), **alignment_uniformity(z1.detach(), z2.detach())})
 
     def row_loss(self, chunk: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> LossOutput | None:

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from clsys import storage
+from clsys.objectives.ranks import ONE_PROCESS, Ranks
 from clsys.recipes.css_lm.pair_heads import pair_logits
 
 FORMAT = "clsys-retrieval-bank/1"
@@ -128,16 +128,16 @@ def top_k(query_u: torch.Tensor, query_v: torch.Tensor, bank: RetrievalBank, cla
 
 @torch.no_grad()
 def distributed_top_k(query_u: torch.Tensor, query_v: torch.Tensor, local_bank: RetrievalBank,
-                      class_scorer: nn.Linear, domain_scorer: nn.Linear, k: int, group: dist.ProcessGroup | None = None,
+                      class_scorer: nn.Linear, domain_scorer: nn.Linear, k: int, ranks: Ranks = ONE_PROCESS,
                       domain_weight: float = 0.5, chunk_rows: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top_k`` over a bank sharded across the ranks of ``group``; the same result on every rank.
+    """``top_k`` over a bank sharded across ``ranks``; the same result on every rank.
 
     Every rank must pass the same queries (in data-parallel training, all-gather the query views
     first and keep your own rows of the result) and its own shard. Each rank keeps its shard's
     top-k, the candidates are all-gathered ((scores, global indices), W × B × k each) and the global
     top-k taken with the same tie-breaking as ``top_k`` over the whole bank in one process.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if ranks.world == 1:
         return top_k(query_u, query_v, local_bank, class_scorer, domain_scorer, k, domain_weight, chunk_rows)
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
@@ -146,30 +146,22 @@ def distributed_top_k(query_u: torch.Tensor, query_v: torch.Tensor, local_bank: 
     missing = k - scores.shape[1]
     scores = torch.cat([scores, scores.new_full((scores.shape[0], missing), float("-inf"))], 1)
     indices = torch.cat([indices, indices.new_full((indices.shape[0], missing), _NO_ROW)], 1)
-    world = dist.get_world_size(group)
-    all_scores = [torch.empty_like(scores) for _ in range(world)]
-    all_indices = [torch.empty_like(indices) for _ in range(world)]
-    dist.all_gather(all_scores, scores.contiguous(), group=group)
-    dist.all_gather(all_indices, indices.contiguous(), group=group)
-    scores, indices = _select(torch.cat(all_scores, 1), torch.cat(all_indices, 1), k)
+    scores, indices = _select(torch.cat(ranks.all_gather(scores), 1), torch.cat(ranks.all_gather(indices), 1), k)
     if (indices == _NO_ROW).any():
         raise ValueError(f"k={k} exceeds the rows of the bank over all ranks")
     return scores, indices
 
 
-def gather_texts(indices: torch.Tensor, local_bank: RetrievalBank, group: dist.ProcessGroup | None = None) -> list[str]:
+def gather_texts(indices: torch.Tensor, local_bank: RetrievalBank, ranks: Ranks = ONE_PROCESS) -> list[str]:
     """The texts of global row ``indices`` (any shape), flattened in row-major order.
 
     Each rank contributes the rows its shard owns; the rows are few (B × k), so an all_gather_object
-    of {index: text} is cheap. Every rank of ``group`` must call this with the same indices.
+    of {index: text} is cheap. Every one of ``ranks`` must call this with the same indices.
     """
     wanted = indices.flatten().tolist()
     first, end = local_bank.offset, local_bank.offset + len(local_bank)
     found = {i: local_bank.texts[i - first] for i in set(wanted) if first <= i < end}
-    if dist.is_available() and dist.is_initialized():
-        parts: list[dict[int, str] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, found, group=group)
-        found = {i: text for part in parts for i, text in part.items()}
+    found = {i: text for part in ranks.all_gather_object(found) for i, text in part.items()}
     unowned = sorted(set(wanted) - found.keys())
     if unowned:
         raise ValueError(f"no shard holds the rows {unowned[:10]}{' …' if len(unowned) > 10 else ''}")

@@ -46,7 +46,6 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -79,24 +78,6 @@ def task_head(hidden_size: int, num_labels: int, dropout: float) -> nn.Sequentia
     """The classifier over [u; v] (§3.2): dropout → Linear(2d→2d) → tanh → dropout → Linear(2d→C)."""
     d2 = 2 * hidden_size
     return nn.Sequential(nn.Dropout(dropout), nn.Linear(d2, d2), nn.Tanh(), nn.Dropout(dropout), nn.Linear(d2, num_labels))
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _all_gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Every rank's ``x`` [B_r, …] concatenated in rank order (B_r may differ), and where this rank's rows start."""
-    size = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    counts = [int(s) for s in sizes]
-    # all_gather needs equal shapes, so pad to the largest micro-batch and cut the padding off again.
-    padded = x.new_zeros(max(counts), *x.shape[1:])
-    padded[:x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([part[:n] for part, n in zip(parts, counts)]), sum(counts[:dist.get_rank()])
 
 
 def _float32(scorer: nn.Linear) -> nn.Linear:
@@ -303,11 +284,11 @@ class CSSLM(Objective):
             raise RuntimeError("stage C retrieves from a bank: call attach_bank before training")
         class_scorer, domain_scorer = _float32(self.class_scorer), _float32(self.domain_scorer)
         queries, u, v = u.shape[0], u.float(), v.float()
-        if _distributed():
+        if self.ranks.world > 1:
             # distributed_top_k needs the same queries on every rank: score the global batch.
-            views, start = _all_gather_rows(torch.cat([u, v], -1))
+            views, start = self.ranks.gather_rows(torch.cat([u, v], -1))
             u, v = views.chunk(2, -1)
-            _, topk = distributed_top_k(u, v, self.bank, class_scorer, domain_scorer, self.oc.k,
+            _, topk = distributed_top_k(u, v, self.bank, class_scorer, domain_scorer, self.oc.k, self.ranks,
                                         domain_weight=self.oc.domain_weight, chunk_rows=self.oc.bank_chunk_rows)
         else:
             start = 0
@@ -339,8 +320,7 @@ class CSSLM(Objective):
                 table[n, 0] = stop - start
                 table[n, 1:1 + stop - start] = self._bank_tokens[start:stop]
         table = table.to(rows.device)
-        if _distributed():
-            dist.all_reduce(table)
+        self.ranks.all_reduce_sum(table)
         missing = (table[:, 0] == 0).nonzero().flatten()
         if missing.numel():
             raise ValueError(f"no bank shard holds the rows {rows[missing][:10].tolist()}")
