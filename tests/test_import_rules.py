@@ -77,3 +77,53 @@ def test_the_recipe_check_finds_every_spelling(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("a = 'css_lm'\n# CSS-LM's bank\nb = 1\nfrom x import CSSLM\n")
     assert recipe_mentions(module, "css_lm", CSSLM) == [1, 2, 4]
+
+
+def objective_modules() -> set[str]:
+    """Every module an objective is made of: clsys.objectives, and each registered objective's module with the
+    modules of its recipe home it imports (a recipe's driver, which runs the process group, is not among them)."""
+    import importlib
+    import sys
+
+    from clsys.recipes import OBJECTIVES
+
+    found = {path.relative_to(REPO).with_suffix("").as_posix().replace("/", ".")
+             for path in (REPO / "clsys" / "objectives").glob("*.py")}
+    pending = [cls.__module__ for cls in OBJECTIVES.values()]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        home = name.rsplit(".", 1)[0]
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        pending += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith(home + ".") and node.module in sys.modules]
+    return found
+
+
+def imports_torch_distributed(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed")
+               or isinstance(node, ast.ImportFrom) and node.module == "torch" and
+               any(a.name == "distributed" for a in node.names) for node in ast.walk(tree))
+
+
+def test_objectives_call_no_collective_themselves():
+    """docs/architecture.md: an objective reaches the other ranks only through the ``ranks`` the engine hands it
+    (clsys/objectives/ranks.py), so no module an objective is made of imports torch.distributed."""
+    modules = objective_modules()
+    assert {"clsys.objectives.simcse", "clsys.recipes.css_lm.objective", "clsys.recipes.css_lm.bank"} <= modules
+    assert "clsys.recipes.css_lm.pipeline" not in modules
+    offenders = sorted(m for m in modules if imports_torch_distributed(REPO / (m.replace(".", "/") + ".py")))
+    assert offenders == []
+
+
+def test_the_collectives_check_finds_every_spelling(tmp_path):
+    for line in ("import torch.distributed as dist", "from torch.distributed import all_reduce",
+                 "from torch import distributed", "import torch.distributed"):
+        (tmp_path / "m.py").write_text(line + "\n")
+        assert imports_torch_distributed(tmp_path / "m.py"), line
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n")
+    assert not imports_torch_distributed(tmp_path / "m.py")
