@@ -8,8 +8,8 @@ Hugging Face tokenizer call the collate made before (``tokenizer(texts, padding=
 then the collate with the Rust backend encoding every text (no chunk tokenizer, ``clsys.data.chunk_tokenizer``),
 with a chunk tokenizer that has met no chunk yet (a new loader worker's: it learns the chunks as it goes), and with
 one that has met every chunk of the batches (a worker well into a large corpus answers nearly every chunk).
-Sentences: the bundled Wikipedia sample's (bench/sample_data.py) in a shuffled order; ids: the tokenizer's, without special tokens,
-as ``data_prep tokenize`` writes them. One torch thread, no tokenizers parallelism; the best of --repeats
+Sentences: the bundled Wikipedia sample's (bench/sample_data.py) in a shuffled order; ids: the tokenizer's, without
+special tokens, as ``data_prep tokenize`` writes them. One torch thread, no tokenizers parallelism; the best of --repeats
 passes, the ways taking turns, in wall time and in this process's CPU time (on a machine shared with other work
 the second is the steadier). Not part of the test suite.
 """

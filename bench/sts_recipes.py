@@ -207,7 +207,8 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the clsys SimCSE runs (repeatable): the variant measured")
     parser.add_argument("--shards", default="", metavar="DIR",
-                        help="data_prep wiki output the SimCSE arms train on (default: the bundled sample, written now)")
+                        help="data_prep wiki output the SimCSE arms train on (default: the bundled sample, as "
+                             "data_prep writes it now)")
     parser.add_argument("--no-st", action="store_true", help="leave the sentence-transformers arm out")
     args = parser.parse_args()
     out = os.path.abspath(args.out)

@@ -364,7 +364,8 @@ def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> 
     batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
     engine.backward(engine(batch).loss)
     engine.step()
-    meta = {"world_size": 1, "objective": "clir", **objective.export_spec().to_meta(), "config": objective.cfg.to_dict()}
+    meta = {"world_size": 1, "objective": "clir", **objective.export_spec().to_meta(),
+            "config": objective.cfg.to_dict()}
 
     def hf_files(folder: str) -> None:
         objective.tokenizer.save_pretrained(folder)

@@ -3,8 +3,9 @@
 The encoder's Hugging Face weights (with a pooler for architectures that have one: ``with_pooler``) and its
 tokenizer, the sentence-transformers modules after the Transformer (``write_sentence_transformers``), optionally a
 reranker, and ``publish``: the finished folder put in place of an earlier export, whole or not at all. Used by
-``python -m clsys.export`` (a checkpoint → a folder) and by a recipe's own export in its training workers; it knows
-nothing of checkpoints.
+``python -m clsys.export`` (a checkpoint → a folder) and by a recipe's own export in its training workers; it reads
+no checkpoint (``ExportSpec``, what an objective exports, is written into checkpoints by the engine and read back by
+``clsys.export``).
 """
 from __future__ import annotations
 

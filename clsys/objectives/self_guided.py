@@ -214,4 +214,5 @@ class SelfGuided(Objective):
         return self.model
 
     def export_spec(self) -> ExportSpec:
-        return ExportSpec("cls", self.encoder_prefix())  # SG-BERT's inference embedding: BERT_T's last-layer [CLS] (§5.4)
+        # SG-BERT's inference embedding is BERT_T's last-layer [CLS] (§5.4).
+        return ExportSpec("cls", self.encoder_prefix())

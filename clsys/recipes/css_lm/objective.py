@@ -56,7 +56,7 @@ from clsys.model.encoder import build_encoder
 from clsys.model.folder import ExportSpec
 from clsys.objectives.base import DataSpec, LossOutput, Objective
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
-                                  sample_rank_positions, top_k, two_views)
+                                  sample_rank_positions, two_views)
 
 
 @dataclass
@@ -284,16 +284,11 @@ class CSSLM(Objective):
             raise RuntimeError("stage C retrieves from a bank: call attach_bank before training")
         class_scorer, domain_scorer = _float32(self.class_scorer), _float32(self.domain_scorer)
         queries, u, v = u.shape[0], u.float(), v.float()
-        if self.ranks.world > 1:
-            # distributed_top_k needs the same queries on every rank: score the global batch.
-            views, start = self.ranks.gather_rows(torch.cat([u, v], -1))
-            u, v = views.chunk(2, -1)
-            _, topk = distributed_top_k(u, v, self.bank, class_scorer, domain_scorer, self.oc.k, self.ranks,
-                                        domain_weight=self.oc.domain_weight, chunk_rows=self.oc.bank_chunk_rows)
-        else:
-            start = 0
-            _, topk = top_k(u, v, self.bank, class_scorer, domain_scorer, self.oc.k,
-                            domain_weight=self.oc.domain_weight, chunk_rows=self.oc.bank_chunk_rows)
+        # distributed_top_k needs the same queries on every rank: score the global batch (one process: its own).
+        views, start = self.ranks.gather_rows(torch.cat([u, v], -1))
+        u, v = views.chunk(2, -1)
+        _, topk = distributed_top_k(u, v, self.bank, class_scorer, domain_scorer, self.oc.k, self.ranks,
+                                    domain_weight=self.oc.domain_weight, chunk_rows=self.oc.bank_chunk_rows)
         # Every rank knows every query's rows: fetch them all in one exchange, then keep this rank's.
         per_query = positions.numel()
         rows = topk[:, positions.to(topk.device)].flatten()
