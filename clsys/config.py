@@ -99,7 +99,9 @@ class TrainConfig:
     # the default, so that a GPU (or a CPU with AVX512-BF16/AMX) steps in bf16 without being asked
     precision: Literal["fp32", "bf16", "bf16_weights", "auto"] = "auto"
     compile: bool = False  # torch.compile the objective's Hugging Face models (fuses the step's small kernels on GPU)
-    zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage 0-3
+    # DeepSpeed ZeRO stage 0-3; auto: 0 (plain data parallelism) while every rank can hold the whole model, its
+    # gradients and AdamW state in half its device's memory, else 2; a resumed run keeps its checkpoint's stage
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = "auto"
     log_every: int = 10  # TensorBoard/console logging interval (steps)
     # Collapse alarm: train/uniformity above this (toward 0, where every embedding is the same point) logs
     # health/collapse 1 and warns on the console; 0 turns it off.
@@ -319,11 +321,15 @@ def check_closed_sets(section, prefix: str) -> None:
 def _coerce(key: str, value, tp):
     """Convert ``value`` (from YAML or a CLI string) to the annotated type ``tp``, or fail naming ``key``."""
     origin = typing.get_origin(tp)
-    if origin is typing.Literal:  # a closed set: the value in the set's type (str or int), and one of them
-        converted = _coerce(key, value, type(typing.get_args(tp)[0]))
-        if problem := closed_set_problem(key, converted, tp):
-            raise ConfigError(problem)
-        return converted
+    if origin is typing.Literal:  # a closed set: the value in one of the set's types (str, int), and one of them
+        for kind in dict.fromkeys(type(a) for a in typing.get_args(tp)):
+            try:
+                converted = _coerce(key, value, kind)
+            except ConfigError:
+                continue
+            if closed_set_problem(key, converted, tp) is None:
+                return converted
+        raise ConfigError(f"{key}: expected {choices(typing.get_args(tp))}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):

@@ -127,7 +127,7 @@ def type_text(written, resolved) -> str:
     """A key's type as the reference shows it: as written, but a closed set (``Literal``, whatever alias names it)
     as the type of its values (``str``, ``int``, ``list[str]``), the values going after the meaning."""
     if values := closed_set(resolved):
-        name = type(values[0]).__name__
+        name = " or ".join(dict.fromkeys(type(v).__name__ for v in values))  # int or str: stages and auto
         return f"list[{name}]" if typing.get_origin(resolved) is list else name
     return written if isinstance(written, str) else _type_name(written)
 

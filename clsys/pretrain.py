@@ -202,7 +202,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         return 2
 
     print(storage.redact(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
-                         f"ZeRO-{cfg.train.zero_stage}, {cfg.train.steps} steps"
+                         f"ZeRO stage {cfg.train.zero_stage}, {cfg.train.steps} steps"
                          + (f", resuming {resume}" if resume else "")))
     install_stop_handlers(run)
     init_ray(cfg)

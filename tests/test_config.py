@@ -45,7 +45,8 @@ def test_deepspeed_section_merges_and_refuses_what_clsys_derives(tmp_path):
     with pytest.raises(ConfigError, match=r"deepspeed.torch_autocast: expected a mapping \(clsys sets its enabled"):
         load_config(None, ["deepspeed.torch_autocast=1"])
     # What clsys does not derive in a section it fills is the recipe's: which gradients DeepSpeed reduces in bf16.
-    cfg = load_config(None, ["deepspeed.torch_autocast.lower_precision_safe_modules=[]", "train.precision=bf16"])
+    cfg = load_config(None, ["deepspeed.torch_autocast.lower_precision_safe_modules=[]", "train.precision=bf16",
+                             "train.zero_stage=0"])
     assert ds_config(cfg)["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
 
 
@@ -61,7 +62,10 @@ def test_help_lists_the_recipes_and_every_key_with_default_and_meaning(capsys):
         assert re.search(rf"^  {recipe} +\S", out, re.M), recipe
     assert "quickstart    The quickstart: unsupervised SimCSE on all-MiniLM-L6-v2" in out
     # default, the quickstart's value where it differs, type, meaning (the field's comment)
-    assert "    train.zero_stage = 2 [0]  (int) DeepSpeed ZeRO stage 0-3" in out
+    assert "    optim.lr = 3e-5 [6e-5]  (float) AdamW learning rate" in out
+    # a closed set of two types: both named, the values after the meaning
+    assert "    train.zero_stage = auto  (int or str) DeepSpeed ZeRO stage 0-3; auto: 0 (plain" in out
+    assert "a resumed run keeps its checkpoint's stage (one of 0 | 1 | 2 | 3 | auto)" in out
     assert "    train.precision = auto  (str) fp32; bf16: autocast" in out
     assert "    cluster.group_shutdown_timeout_s = 5  (int) A failed worker group's time" in out
     assert "  objective.* of objective.name: clir" in out
@@ -135,7 +139,7 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 @pytest.mark.parametrize("recipe, key, bad, good, message", [
-    (None, "train.zero_stage", "4", "3", "expected 0, 1, 2 or 3, got 4"),
+    (None, "train.zero_stage", "4", "3", "expected 0, 1, 2, 3 or auto, got '4'"),
     (None, "data.on_bad_sample", "ignore", "skip", "expected error or skip, got 'ignore'"),
     (None, "train.precision", "16", "bf16", "expected fp32, bf16, bf16_weights or auto, got '16'"),
     ("sg_opt", "objective.loss", "sg_plus", "opt1", "expected sg, opt1, opt2 or sg_opt, got 'sg_plus'"),

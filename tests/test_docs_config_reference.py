@@ -51,7 +51,8 @@ def test_every_key_with_type_default_and_meaning(gen):
     assert "| `train.steps` | `int` | `200` | optimizer steps |" in text
     assert "| `objective.grad_cache.chunk_size` | `int` | `0` |" in text
     # the quickstart recipe's value beside the default, a YAML-quoted string, a per-objective table
-    assert "| `train.zero_stage` | `int` | `2` (quickstart: `0`) |" in text
+    assert "| `optim.lr` | `float` | `3e-5` (quickstart: `6e-5`) | AdamW learning rate |" in text
+    assert "| `train.zero_stage` | `int or str` | `auto` |" in text
     assert "| `train.precision` | `str` | `auto` |" in text
     assert '| `eval.xling_articles` | `str` | `"24:48"` |' in text
     assert "### `objective.name: clir` {#objective-clir}" in text

@@ -175,7 +175,9 @@ def test_lost_ray_node_restarts_on_a_replacement(shards, baseline, tmp_path):
 @pytest.mark.parametrize("workers,stage", [(1, 3), (3, 2)])
 def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, workers, stage):
     """Checkpoint of 2 workers at step 4 → resume with 1 (ZeRO-3) or 3 (ZeRO-2): weights and optimizer
-    resharded, the data position remapped (no sample of the epoch seen twice), the global batch kept."""
+    resharded, the data position remapped (no sample of the epoch seen twice), the global batch kept. The
+    resumed run leaves train.zero_stage at its default, auto, which would choose stage 0 for this model: it
+    must follow the checkpoint's stage, the one its optimizer files are laid out for."""
     batch, name = 12, f"z{stage}"
     run_dir = tmp_path / name
     shutil.copytree(baseline[stage], run_dir, ignore=shutil.ignore_patterns("export", "tensorboard", "ray"))
@@ -184,9 +186,11 @@ def test_elastic_resume_on_another_worker_count(shards, baseline, tmp_path, work
     for keys in run_dir.glob("sample_keys/*/step-*.txt"):
         if int(keys.stem.partition("-")[2]) > 4:
             keys.unlink()
-    result = Run(recipe(shards, tmp_path, name, f"train.zero_stage={stage}", "train.resume=latest",
+    result = Run(recipe(shards, tmp_path, name, "train.zero_stage=auto", "train.resume=latest",
                         f"cluster.num_workers={workers}")).wait()
-    assert result.returncode == 0
+    assert result.returncode == 0, result.output[-3000:]
+    saved = storage.read_json(f"file://{run_dir}/checkpoints/step-{STEPS:08d}/clsys_state.json")
+    assert saved["config"]["train"]["zero_stage"] == stage
     assert f"written by 2 ranks, resharded for {workers}" in result.output
     assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/COMPLETE")
     assert storage.exists(f"file://{run_dir}/checkpoints/step-00000004/universal/SHA256SUMS")

@@ -12,7 +12,8 @@ from clsys.model.card import add_evaluation, write_card
 
 
 def test_card_says_what_was_trained_and_carries_the_evaluation(tmp_path):
-    config = json.loads(json.dumps(load_config("quickstart", ["train.steps=200"]).to_dict()))  # as checkpoints hold it
+    # As checkpoints hold it: train.zero_stage auto made the stage the run used.
+    config = json.loads(json.dumps(load_config("quickstart", ["train.steps=200", "train.zero_stage=0"]).to_dict()))
     record = {"checkpoint": "file:///runs/quickstart/checkpoints/step-00000100", "step": 100,
               "chosen": "best stsb-en-dev_spearman 85.21 at step 100", "objective": "simcse", "pooling": "cls",
               "pooler": "all-MiniLM-L6-v2's, untrained"}
@@ -28,7 +29,7 @@ def test_card_says_what_was_trained_and_carries_the_evaluation(tmp_path):
     # The config block is the run's config, a recipe that loads back.
     block = card.split("```yaml\n")[1].split("```")[0]
     (tmp_path / "config.yaml").write_text(block)
-    assert load_config(str(tmp_path / "config.yaml")) == load_config("quickstart", ["train.steps=200"])
+    assert load_config(str(tmp_path / "config.yaml")) == load_config("quickstart", ["train.steps=200", "train.zero_stage=0"])
 
     rows = [{"model": "before", "pooling": "cls", "spearman": 73.5, "pearson": 73.37},
             {"model": "after", "pooling": "cls", "spearman": 79.34, "pearson": 80.19}]

@@ -278,7 +278,7 @@ def test_zero3_bf16_local_with_grad_accumulation_and_export(local_shards, tiny_b
 
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=3", "unknown config key 'train.stepz'"),
-    ("train.zero_stage=banana", "train.zero_stage: expected an integer"),
+    ("train.zero_stage=banana", "train.zero_stage: expected 0, 1, 2, 3 or auto, got 'banana'"),
     ("train.batch_size=33", "not divisible"),
     ("data.length_group_batches=-1", "data.length_group_batches: expected >= 0"),
     ("data.url=/nonexistent/shards", "/nonexistent/shards/sentences/manifest.json"),
@@ -324,7 +324,7 @@ def foreign_shards(local_shards, tmp_path_factory):
                                                ("sg_opt", ["objective.grad_cache.chunk_size=3"], "foreign_shards")])
 @pytest.mark.usefixtures("shared_ray")
 def test_recipe_trains_end_to_end_on_two_workers(recipe, extra, data, tiny_bert_with_heads, request, tmp_path):
-    """Each objective's bundled recipe, shortened, on the small random BERT: 2 Ray workers, ZeRO-2, shards
+    """Each objective's bundled recipe, shortened, on the small random BERT: 2 Ray workers, stage 0, shards
     from the local store (SimCSE with its MLM auxiliary on, SG-OPT with GradCache, so those paths run
     through DeepSpeed too; SG-OPT on shards indexed by `data_prep manifest`, as other tools' shards are).
     TaCL's recipe runs in the next test."""
@@ -372,7 +372,7 @@ def test_tacl_from_scratch_with_a_sentencepiece_tokenizer(local_shards, tmp_path
 
 @pytest.mark.usefixtures("shared_ray")
 def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tiny_bert_with_heads, tmp_path):
-    """The quickstart's distributed step (2 Ray workers, ZeRO-2, packed rows, the last layer on [CLS] only,
+    """The quickstart's distributed step (2 Ray workers, DeepSpeed stage 0, packed rows, the last layer on [CLS] only,
     candidates gathered across ranks, clipping, the lr schedule) is the plain single-process PyTorch loop on
     the same global batches: with dropout off both are deterministic, so after a few steps the weights must
     agree to rounding. What is left between the two with dropout on is where the masks are drawn."""
@@ -389,6 +389,9 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
                  f"train.run_root={tmp_path}", "train.name=equal"]
     assert run("-m", "clsys.pretrain", "--config", "quickstart", *overrides).returncode == 0
     cfg = load_config("quickstart", overrides)
+    # train.zero_stage: auto chose stage 0 (the state fits) and the checkpoint records the stage, not "auto".
+    saved = storage.read_json(f"file://{tmp_path}/equal/checkpoints/step-00000004/clsys_state.json")
+    assert saved["config"]["train"]["zero_stage"] == 0
 
     # The global batch of step s: each rank's micro-batch of that step, in rank order (train.log_sample_keys).
     micro = cfg.micro_batch

@@ -28,7 +28,8 @@ def _scripted_run(rank: int, port: int, tiny: str, run: str, out: dict) -> None:
 
     init_distributed()
     cfg = load_config(None, ["objective.name=simcse", f"model.name={tiny}", "model.init=scratch",
-                             "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=1", "train.batch_size=8"])
+                             "model.tokenizer=all-MiniLM-L6-v2", "cluster.num_workers=1", "train.batch_size=8",
+                             "train.zero_stage=2"])
     engine = build_engine(OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer)), cfg)
     writer = CheckpointWriter(engine, run, keep=1)
 

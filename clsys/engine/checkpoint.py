@@ -233,6 +233,7 @@ class Fetched:
     folder: str  # local: ds/ (or the universal form's ds/) and this rank's state file
     rank_file: str
     universal: bool  # the universal form, for another rank count (the engine is built with load_universal)
+    zero_stage: int | None = None  # the ZeRO stage that wrote it (its files' layout), where recorded
 
 
 def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
@@ -282,7 +283,7 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     if problems:
         shutil.rmtree(local, ignore_errors=True)
         return None, problems
-    return Fetched(url, int(state["step"]), saved, local, rank_file, universal), []
+    return Fetched(url, int(state["step"]), saved, local, rank_file, universal, _saved_zero_stage(state)), []
 
 
 def _whole_state(state: dict) -> bool:
@@ -290,7 +291,11 @@ def _whole_state(state: dict) -> bool:
     (plain data parallelism), which any rank count loads as it is. Every other kind holds each rank's
     partition of the optimizer, which another rank count reads through the universal form (whose
     converter needs those partition files, so it cannot read a stage-0 checkpoint)."""
-    return plain_data_parallel(state.get("config", {}).get("train", {}).get("zero_stage"), state.get("precision"))
+    return plain_data_parallel(_saved_zero_stage(state), state.get("precision"))
+
+
+def _saved_zero_stage(state: dict) -> int | None:
+    return state.get("config", {}).get("train", {}).get("zero_stage")
 
 
 def fetch_intact(candidates: list[str], world: int) -> Fetched | None:

@@ -1,6 +1,7 @@
 """DeepSpeed set-up: the process group, the engine config derived from ours, and initialisation."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import sys
@@ -73,6 +74,52 @@ def step_precision(cfg: Config) -> str:
     return "bf16" if bf16_matmul_units(cfg.cluster.use_gpu) else "fp32"
 
 
+# Of a device's memory (on CPU: a rank's share of the node's), what the whole training state may take for
+# ``train.zero_stage: auto`` to choose stage 0: the rest is for activations, the allocator's cache and the loader.
+STATE_SHARE = 0.5
+STATE_BYTES_PER_PARAMETER = 16  # fp32 weight and gradient, AdamW's two fp32 moments (bf16_weights: 2 + 2 + 12)
+
+
+def resolve_zero_stage(cfg: Config, model: torch.nn.Module, resumed_stage: int | None) -> Config:
+    """``cfg`` with ``train.zero_stage: auto`` made a stage; collective where it measures (every rank gets the
+    same stage). A resumed run keeps the stage of its checkpoint (``resumed_stage``), whose files are laid out for
+    it. Otherwise 0 while every rank can hold the whole state (``STATE_BYTES_PER_PARAMETER`` per trainable
+    parameter, frozen ones at their size) in ``STATE_SHARE`` of its memory, else 2. Stage 0 is plain data
+    parallelism: nothing to partition on one rank, and for a model whose state fits, partitioning only adds
+    copies (ZeRO-2's step 0.91x stage 0's for BERT-base on an H100, 0.82x for MiniLM on 2 CPU workers:
+    docs/benchmarks.md). A model too large for that (several billion parameters on an 80 GB GPU) gets ZeRO-2."""
+    if cfg.train.zero_stage != "auto":
+        return cfg
+    if resumed_stage is not None:
+        stage = resumed_stage
+    else:
+        need = sum(p.numel() * (STATE_BYTES_PER_PARAMETER if p.requires_grad else p.element_size())
+                   for p in model.parameters())
+        stage = 0 if need <= STATE_SHARE * rank_memory_bytes(cfg.cluster.use_gpu) else 2
+        if dist.is_initialized():  # ranks on different hardware: the largest stage any of them needs
+            from deepspeed.accelerator import get_accelerator
+
+            agreed = torch.tensor([stage], device=get_accelerator().current_device_name())
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            stage = int(agreed.item())
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage))
+
+
+def rank_memory_bytes(use_gpu: bool) -> int:
+    """The memory this rank has: its GPU's, or on CPU the node's (its cgroup's limit, where lower) shared by the
+    node's ranks (``LOCAL_WORLD_SIZE``, which Ray Train and torchrun set)."""
+    if use_gpu:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:  # cgroup v2: a number, or "max" for none
+            limit = f.read().strip()
+        node = min(node, int(limit)) if limit.isdigit() else node
+    except OSError:
+        pass
+    return node // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def merged(base: dict, extra: dict) -> dict:
     """``base`` with ``extra`` merged in, mappings key by key at every depth."""
     out = dict(base)
@@ -85,6 +132,8 @@ def ds_config(cfg: Config, load_universal: bool = False) -> dict:
     """The DeepSpeed config for ``cfg``, with the user's ``deepspeed:`` section merged over it (the keys
     clsys derives itself, ``clsys.config.DEEPSPEED_DERIVED``, were refused when the config was read)."""
     t, precision = cfg.train, step_precision(cfg)
+    if t.zero_stage == "auto":
+        raise ValueError("train.zero_stage: auto is made a stage (resolve_zero_stage) before the engine is built")
     return merged({
         # Resuming on another rank count reads a universal checkpoint (clsys.engine.checkpoint).
         "checkpoint": {"load_universal": load_universal},

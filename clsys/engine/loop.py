@@ -28,7 +28,7 @@ from clsys.config import Config, run_url
 from clsys.data.streaming import rank_loader
 from clsys.engine import checkpoint
 from clsys.engine.checkpoint_writer import CheckpointWriter
-from clsys.engine.deepspeed import build_engine, init_distributed, step_precision
+from clsys.engine.deepspeed import build_engine, init_distributed, resolve_zero_stage, step_precision
 from clsys.engine.grad_cache import grad_cache_backward
 from clsys.engine.preemption import StopWatch
 from clsys.engine.profile import StepClock
@@ -136,6 +136,8 @@ class Trainer:
         print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
               f"precision {self.precision}", flush=True)
         resume = checkpoint.fetch_intact(_resume_candidates(run, requested_resume), world)
+        # train.zero_stage: auto made a stage, so that checkpoints record the one their files are laid out for.
+        self.cfg = cfg = resolve_zero_stage(cfg, self.objective, resume.zero_stage if resume else None)
         self.engine = build_engine(self.objective, cfg, load_universal=bool(resume and resume.universal))
         self.engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
         self.loader = rank_loader(cfg, rank, world, self.objective.data)

@@ -60,7 +60,7 @@ def run(cfg: Config, repeats: int) -> int:
         return 2
 
     print(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
-          f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO-{cfg.train.zero_stage}")
+          f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO stage {cfg.train.zero_stage}")
     init_ray(cfg)
     results = []
     for seeded, run in runs:

@@ -40,7 +40,7 @@ from clsys import storage
 from clsys.config import Config, run_url
 from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
 from clsys.data.labeled import LabeledSet, few_shot, load_labeled
-from clsys.engine.deepspeed import build_engine, init_distributed
+from clsys.engine.deepspeed import build_engine, init_distributed, resolve_zero_stage
 from clsys.engine.loop import local_tensorboard_dir
 from clsys.metrics.health import TensorBoard
 from clsys.model.encoder import load_tokenizer
@@ -166,6 +166,7 @@ class Worker:
             objective.load_state_dict(init)
         if bank is not None:
             objective.attach_bank(*bank)
+        cfg = resolve_zero_stage(cfg, objective, None)  # a stage trains from its start: no checkpoint to follow
         engine = build_engine(objective, cfg)
         engine.train()
         torch.manual_seed(cfg.train.seed + 1 + self.rank)  # each rank its own dropout masks
