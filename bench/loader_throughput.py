@@ -14,7 +14,9 @@ batches in this process, samples/s over --steps steps after one warm-up step.
 Both use all cores here in turn; in training they share them. The training step is also timed on
 batches grouped by length (``data.length_group_batches`` = --length-group), with the share of padding
 tokens of both. Prints a table, then ``ratio`` lines (loader samples/s ÷ training samples/s, target ≥ 10;
-and grouped ÷ plain training samples/s). Not part of the test suite.
+and grouped ÷ plain training samples/s), and for 1 against 2 loader workers the machine's busy CPU per batch
+(Linux) with the ceiling it sets on two workers' gain where the trainer shares the cores. Not part of the test
+suite.
 """
 from __future__ import annotations
 
@@ -61,19 +63,32 @@ def moto_server() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float]:
-    """(seconds to the first batch, samples/s over the next --batches batches)."""
+def busy_cpu_seconds() -> float | None:
+    """CPU time the whole machine has spent busy (every process, every core) since boot; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float, float | None, float]:
+    """(seconds to the first batch, samples/s over the next --batches batches, the machine's busy CPU ms per
+    batch over them (None off Linux), the trainer process's CPU ms per batch: receiving and unpacking)."""
     # What training hands the loader's worker processes: the objective's data spec.
     loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=workers)
     start = time.perf_counter()
     batches = iter(loader)
     next(batches)
     first = time.perf_counter() - start
-    start = time.perf_counter()
+    busy, own, start = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     samples = sum(len(next(batches)["keys"]) for _ in range(args.batches))
     rate = samples / (time.perf_counter() - start)
+    machine = (busy_cpu_seconds() - busy) * 1e3 / args.batches if busy is not None else None
+    trainer = (time.process_time() - own) * 1e3 / args.batches
     del batches  # stops the worker processes
-    return first, rate
+    return first, rate, machine, trainer
 
 
 def training_rate(url: str, objective, args, length_group: int) -> tuple[float, float]:
@@ -131,8 +146,7 @@ def main() -> None:
         for source, url in (("file://", local), (f"s3 ({endpoint})", remote),
                             ("file://, pre-tokenized", f"file://{tokenized}")):
             for workers in (1, 2):
-                first, rate = loader_rate(url, objective, args, workers)
-                rows.append((source, workers, first, rate))
+                rows.append((source, workers, *loader_rate(url, objective, args, workers)))
         consumption, padding = training_rate(local, objective, args, 0)
         grouped, grouped_padding = training_rate(local, objective, args, args.length_group)
     finally:
@@ -143,21 +157,32 @@ def main() -> None:
           f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step, "
           f"{padding:.1%} padding); grouped by length in windows of {args.length_group} batches: "
           f"{grouped:.1f} samples/s ({grouped_padding:.1%} padding)")
-    print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10}")
-    for source, workers, first, rate in rows:
-        print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f}")
-    print()
-    for source, workers, _, rate in rows:
+    print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10} "
+          f"{'CPU ms/batch':>12} {'trainer ms':>10}")
+    for source, workers, first, rate, machine, trainer in rows:
+        cpu = f"{machine:12.2f}" if machine is not None else f"{'n/a':>12}"
+        print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f} {cpu} "
+              f"{trainer:>10.2f}")
+    print("(CPU ms/batch: every process of the machine, workers and trainer; trainer ms: its share, receiving "
+          "and unpacking)\n")
+    for source, workers, _, rate, _, _ in rows:
         name = "s3" if source.startswith("s3") else "tokenized" if "tokenized" in source else "file"
         print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
     print(f"ratio training_length_grouped_over_plain {grouped / consumption:.2f}")
     # Issue 40's targets for one loader worker (samples/s, max length 32): tokenizing >= 15,000, pre-tokenized
     # >= 40,000; and workers that scale with the cores they get (2 workers >= 1.8x one on 2 cores).
-    by_way = {(source, workers): rate for source, workers, _, rate in rows}
+    by_way = {(source, workers): (rate, machine) for source, workers, _, rate, machine, _ in rows}
+    cores = os.cpu_count() or 1
     for name, source, target in (("file", "file://", 15_000), ("tokenized", "file://, pre-tokenized", 40_000)):
-        one, two = by_way[(source, 1)], by_way[(source, 2)]
+        (one, one_cpu), (two, two_cpu) = by_way[(source, 1)], by_way[(source, 2)]
         print(f"ratio loader_{name}_1w_over_target {one / target:.2f}")
         print(f"ratio loader_{name}_2w_over_1w {two / one:.2f}")
+        if one_cpu is not None:
+            # The trainer shares the cores: one worker and the trainer already keep this many busy, so two
+            # workers can give at most cores / that, and less where a batch costs more CPU with two.
+            busy = one_cpu * one / args.batch / 1e3
+            print(f"ratio loader_{name}_2w_ceiling_on_{cores}_cores {cores / busy:.2f}")
+            print(f"ratio loader_{name}_cpu_per_batch_2w_over_1w {two_cpu / one_cpu:.2f}")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,62 @@ def test_resume_replays_the_same_batches_and_collate_randomness(tmp_path, worker
             assert same_batches(consume(resumed, total - k)[0], straight[k:]), (rank, k)
 
 
+def test_bundles_change_nothing_but_the_transfer(tmp_path):
+    """A loader worker sends its batches in bundles; the trainer must hand them out exactly as single batches
+    would come: the same batches, collate draws and positions, in the same order, through workers running dry
+    at different points, and a resume from a position inside a bundle must continue as the straight run."""
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    args = dict(rank=0, ranks=1, micro_batch=3, seed=1, loader_workers=3, shuffle_buffer=8)
+    per_epoch = plan_epoch(load_shards(url), 0, 1, 1, 3, 3).batches_per_rank
+    total = per_epoch + 4
+    loader = ShardLoader(url, collate=NoisyCollate(), bundle=1, **args)
+    # The workers run dry apart, two of them inside a bundle of 5: after 27 × 3 batches, after 81 + 2 × 11.
+    assert [piece.batches for piece in loader.layout(loader.state).pieces[0]] == [50, 38, 27]
+    single, single_states = consume(loader, total)
+    for bundle in (2, 5):
+        bundled, states = consume(ShardLoader(url, collate=NoisyCollate(), bundle=bundle, **args), total)
+        assert same_batches(bundled, single) and states == single_states, bundle
+    for k in (3, 7, 90, per_epoch - 2):  # inside bundles of 5: of the first worker, another's, two left, one left
+        resumed = ShardLoader(url, collate=NoisyCollate(), bundle=5, **args)
+        resumed.load_state_dict(single_states[k - 1])
+        assert same_batches(consume(resumed, total - k)[0], single[k:]), k
+
+
+@pytest.mark.parametrize("counts, bundle, turn", [([23, 5, 14], 2, 0), ([23, 5, 14], 3, 1), ([12, 12], 4, 1),
+                                                  ([30, 0, 7, 18], 4, 2), ([9], 2, 0)])
+def test_one_at_a_time_hands_out_the_single_batch_order_holding_a_bundle_a_worker(counts, bundle, turn):
+    """What the DataLoader delivers (each worker's bundles, taken in turn from ``turn``, exhausted workers passed
+    over) → the order single batches would have: each worker in turn, an exhausted one passed over
+    (``round_robin_position``'s order). It may not read ahead to learn who ran dry: at every batch handed out
+    it holds at most one bundle a worker."""
+    from clsys.data.streaming import _WORKER, one_at_a_time
+
+    workers, pulled = len(counts), [0]
+
+    def delivered():
+        left = [[{_WORKER: w, "i": i} for i in range(n)] for w, n in enumerate(counts)]
+        w = turn
+        while any(left):
+            if left[w]:
+                chunk, left[w] = left[w][:bundle], left[w][bundle:]
+                pulled[0] += len(chunk)
+                yield chunk
+            w = (w + 1) % workers
+
+    expected, produced, w = [], [0] * workers, turn
+    while len(expected) < sum(counts):
+        if produced[w] < counts[w]:
+            expected.append((w, produced[w]))
+            produced[w] += 1
+        w = (w + 1) % workers
+    got = []
+    for batch in one_at_a_time(delivered(), workers, turn):
+        got.append((batch[_WORKER], batch["i"]))
+        assert pulled[0] - len(got) <= workers * bundle, (len(got), pulled[0])
+    assert got == expected
+
+
 def test_the_loader_leaves_the_training_process_rngs_alone(tmp_path):
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, SIZES)

@@ -105,7 +105,8 @@ def test_the_next_epochs_prefetch_depth_follows_the_step_time(tmp_path):
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, SIZES)
     log = tmp_path / "pids.txt"
-    loader = ShardLoader(url, 0, 1, 16, PidRecorder(str(log)), seed=3, loader_workers=2, shuffle_buffer=8)
+    # One batch a transfer, so that the DataLoader's prefetch counts batches (it counts bundles, test_streaming.py).
+    loader = ShardLoader(url, 0, 1, 16, PidRecorder(str(log)), seed=3, loader_workers=2, shuffle_buffer=8, bundle=1)
     per_epoch = plan_epoch(loader.shards, 0, 3, 1, 2, 16).batches_per_rank
     batches = iter(loader)
     next(batches)

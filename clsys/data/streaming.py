@@ -81,6 +81,16 @@ _FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streamin
 # storage: 64 MiB at ~100 MB/s is 0.6 s; a run of long texts) does not reach the step. Batches are small (token ids).
 PREFETCH_SECONDS = 2.0
 MAX_PREFETCH = 64  # batches per loader worker
+# A loader worker sends its batches to the trainer in bundles of about this many samples (``batches_per_transfer``):
+# each item the DataLoader moves costs the trainer's process ~0.3 ms of CPU whatever its size (its queue, the next
+# index sent back, thread wake-ups), 8-15% of a core at 64-sample batches, taken from the cores the workers share.
+TRANSFER_SAMPLES = 512
+MAX_TRANSFER = 16  # batches per bundle
+
+
+def batches_per_transfer(micro_batch: int) -> int:
+    """How many batches a loader worker sends at once: ``TRANSFER_SAMPLES``' worth, from 1 to ``MAX_TRANSFER``."""
+    return max(1, min(MAX_TRANSFER, TRANSFER_SAMPLES // micro_batch))
 
 
 def prefetch_depth(step_seconds: float | None, workers: int) -> int:
@@ -148,8 +158,9 @@ class RankStream(IterableDataset):
 
     def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
                  collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str,
-                 lengths: Callable[[list[dict]], list[int]]):
+                 lengths: Callable[[list[dict]], list[int]], bundle: int):
         self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
+        self.bundle = bundle  # batches sent to the trainer at once
         self.length_group, self.lengths = state.segments[-1].length_group, lengths
         self.verify, self.on_bad_sample = verify, on_bad_sample
         # A copy of the position: the training process goes on changing its own.
@@ -216,15 +227,20 @@ class RankStream(IterableDataset):
         if skip >= piece.batches:
             return  # nothing left to hand out, so nothing to replay
         skipped: collections.Counter = collections.Counter()
-        made = 0
+        made, bundle = 0, []
         for batch in self._batches(worker, piece, skipped):
             seed_global_rngs(self.seed, self.epoch, self.segment, self.rank, worker, made)
             out = self.collate(batch)  # skipped batches too: collate may keep state
             if made >= skip:
                 out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), _WORKER: worker})
-                yield PackedBatch(out)  # its tensors as bytes in the pickle: shared memory costs more
+                bundle.append(PackedBatch(out))  # its tensors as bytes in the pickle: shared memory costs more
+                if len(bundle) == self.bundle:
+                    yield bundle
+                    bundle = []
             skipped.clear()  # a skipped batch's faults were reported before the checkpoint
             made += 1
+        if bundle:
+            yield bundle
 
 
 class ShardLoader:
@@ -234,9 +250,10 @@ class ShardLoader:
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
                  on_bad_sample: str = "error", length_group: int = 0,
                  lengths: Callable[[list[dict]], list[int]] = text_lengths, kind: str = "",
-                 max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False):
+                 max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False, bundle: int | None = None):
         """``kind``: the stream kind whose json fields every sample must have (``clsys.shards.fields``);
-        ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``)."""
+        ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``); ``bundle``: batches a
+        loader worker sends at once (default ``batches_per_transfer``), which changes nothing but the transfer."""
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
@@ -250,6 +267,7 @@ class ShardLoader:
         # Batches in page-locked memory (the DataLoader's pinning thread), so that the step's copies to a GPU
         # are asynchronous (non_blocking) rather than staged through a pageable buffer.
         self.pin_memory = pin_memory
+        self.bundle = bundle or batches_per_transfer(micro_batch)
         self.worker_start = _worker_start(collate)
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
@@ -326,6 +344,34 @@ class ShardLoader:
             background.shutdown()
 
 
+def one_at_a_time(bundles: Iterator[list[dict]], workers: int, turn: int) -> Iterator[dict]:
+    """The batches of loader workers' ``bundles`` (each a list of one worker's batches, tagged with it) in the order
+    the DataLoader hands out single batches: each worker in turn from ``turn``, an exhausted one passed over.
+
+    The DataLoader takes items from its workers in turn (its first worker is the one whose turn it is) and passes
+    over the exhausted, so the workers between two consecutive bundles' senders have no batch left; and every bundle
+    but a worker's last is full, so one batch of each worker in turn is the order of single batches. Knowing who ran
+    dry is what keeps this from reading ahead: it holds at most one bundle a worker."""
+    pending = [collections.deque() for _ in range(workers)]
+    exhausted = [False] * workers
+    last_sender = (turn - 1) % workers
+    while not all(exhausted[w] and not pending[w] for w in range(workers)):
+        if pending[turn]:
+            yield pending[turn].popleft()
+            turn = (turn + 1) % workers
+        elif exhausted[turn]:
+            turn = (turn + 1) % workers
+        elif (batches := next(bundles, None)) is None:
+            exhausted = [True] * workers
+        else:
+            sender = batches[0][_WORKER]
+            passed = (last_sender + 1) % workers
+            while passed != sender:
+                exhausted[passed], passed = True, (passed + 1) % workers
+            pending[sender].extend(batches)
+            last_sender = sender
+
+
 class SegmentReader:
     """The rest of the current segment of one epoch, read by this rank's DataLoader workers; they start
     (and begin reading ahead) when the reader is made. Iterating updates ``state``, the loader's position."""
@@ -333,18 +379,19 @@ class SegmentReader:
     def __init__(self, loader: ShardLoader, state: LoaderState, prefetch: int = 2):
         self.state, self.rank = state, loader.rank
         self.layout = loader.layout(state)
-        self.batches: Iterator[dict] | None = None
+        self.bundles: Iterator[list] | None = None  # what the DataLoader yields: each a list of one worker's batches
         self.handed_out_at: float | None = None  # when the last batch went to the trainer
         self.step_times: collections.deque[float] = collections.deque(maxlen=256)  # the recent intervals
         self.fresh = state.segments[-1].batches == 0
         if state.segments[-1].batches < self.layout.batches_per_rank:
             dataset = RankStream(self.layout, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
-                                 loader.on_bad_sample, loader.lengths)
+                                 loader.on_bad_sample, loader.lengths, loader.bundle)
             # Its own generator: otherwise starting the workers draws their base seed from the training
             # process's torch RNG, and a resumed run would draw different dropout masks.
-            self.batches = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
+            self.bundles = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
                                            generator=torch.Generator(), pin_memory=loader.pin_memory,
-                                           prefetch_factor=prefetch, multiprocessing_context=loader.worker_start))
+                                           prefetch_factor=max(2, math.ceil(prefetch / loader.bundle)),
+                                           multiprocessing_context=loader.worker_start))
 
     @property
     def step_seconds(self) -> float | None:
@@ -358,9 +405,10 @@ class SegmentReader:
 
     def __iter__(self) -> Iterator[dict]:
         state, current = self.state, self.state.segments[-1]
-        if self.batches is None:
+        if self.bundles is None:
             return
-        for batch in map(unpack, self.batches):
+        bundles = ([unpack(b) for b in bundle] for bundle in self.bundles)
+        for batch in one_at_a_time(bundles, len(state.produced), state.next_worker):
             worker = batch.pop(_WORKER)
             current.batches += 1
             state.produced[worker] += 1
@@ -380,9 +428,9 @@ class SegmentReader:
         """Stop the workers (and free their shards) now. Left to the garbage collector, as when an exception's
         traceback holds the iterator, its queues can go first and each worker is then waited for 5 s before
         it is killed."""
-        if self.batches is not None:
-            self.batches._shutdown_workers()
-            self.batches = None
+        if self.bundles is not None:
+            self.bundles._shutdown_workers()
+            self.bundles = None
 
 
 class DataSide(Protocol):
