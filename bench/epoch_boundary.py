@@ -1,6 +1,6 @@
 """The loader's wait at epoch boundaries against its steady state, over several epochs of training steps.
 
-    python bench/epoch_boundary.py [--epochs 4] [--batch 128] [--workers 2] [--model bert-mini] [--shards 4]
+    python bench/epoch_boundary.py [--epochs 4] [--batch 128] [--workers 2] [--model bert-mini] [--shards 4] [--bundle N]
 
 Unsupervised SimCSE's loader (``ShardLoader`` + the objective's collate, MiniLM's tokenizer, max length 32) over
 the bundled Wikipedia sample's sentence shards (its first --shards of 10, so that an epoch is short), consumed by real training steps of a small model in this
@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default="bert-mini")
     parser.add_argument("--shards", type=int, default=4, help="shards of the sample read (an epoch's length)")
+    parser.add_argument("--bundle", type=int, default=None,
+                        help="batches a loader worker sends at once (default: the loader's, batches_per_transfer)")
     args = parser.parse_args()
 
     # A stream of the sample's first --shards shards: its own manifest beside links to the shard files.
@@ -62,7 +64,8 @@ def main() -> None:
     cfg = load_config("quickstart", ["data.max_length=32", *MODELS[args.model]])
     torch.manual_seed(0)
     objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name))
-    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=args.workers)
+    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=args.workers,
+                         bundle=args.bundle)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=3e-5)
     objective.train()
 
