@@ -318,7 +318,8 @@ class ShardLoader:
         started from a thread: starting a worker blocks until it has unpickled the dataset (the collate's
         tokenizer), ~0.7 s a worker in a GPU trainer, measured as a 3 s stall of every step at half-epoch
         when the training thread started them. The finished epoch's workers are stopped from a thread too. The
-        next epoch's workers keep ``prefetch_depth`` batches each ready, from this epoch's step time."""
+        next epoch's workers keep ``prefetch_depth`` batches each ready (whole bundles, at least two), from this
+        epoch's step time."""
         reader, ahead = SegmentReader(self, self.state), None
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
 
