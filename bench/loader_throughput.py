@@ -41,6 +41,7 @@ from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
+from process_runs import machine_idle_s  # noqa: E402
 from sample_data import sample_shards  # noqa: E402
 
 
@@ -63,16 +64,6 @@ def moto_server() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def busy_cpu_seconds() -> float | None:
-    """CPU time the whole machine has spent busy (every process, every core) since boot; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
 def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float, float | None, float]:
     """(seconds to the first batch, samples/s over the next --batches batches, the machine's busy CPU ms per
     batch over them (None off Linux), the trainer process's CPU ms per batch: receiving and unpacking)."""
@@ -82,10 +73,13 @@ def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float, 
     batches = iter(loader)
     next(batches)
     first = time.perf_counter() - start
-    busy, own, start = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    linux = os.path.exists("/proc/stat")
+    idle, own, start = machine_idle_s() if linux else 0.0, time.process_time(), time.perf_counter()
     samples = sum(len(next(batches)["keys"]) for _ in range(args.batches))
-    rate = samples / (time.perf_counter() - start)
-    machine = (busy_cpu_seconds() - busy) * 1e3 / args.batches if busy is not None else None
+    wall = time.perf_counter() - start
+    rate = samples / wall
+    busy = (os.cpu_count() or 1) * wall - (machine_idle_s() - idle) if linux else None  # core-seconds
+    machine = busy * 1e3 / args.batches if busy is not None else None
     trainer = (time.process_time() - own) * 1e3 / args.batches
     del batches  # stops the worker processes
     return first, rate, machine, trainer
@@ -180,8 +174,8 @@ def main() -> None:
         if one_cpu is not None:
             # The trainer shares the cores: one worker and the trainer already keep this many busy, so two
             # workers can give at most cores / that, and less where a batch costs more CPU with two.
-            busy = one_cpu * one / args.batch / 1e3
-            print(f"ratio loader_{name}_2w_ceiling_on_{cores}_cores {cores / busy:.2f}")
+            cores_busy = one_cpu * one / args.batch / 1e3
+            print(f"ratio loader_{name}_2w_ceiling_on_{cores}_cores {cores / cores_busy:.2f}")
             print(f"ratio loader_{name}_cpu_per_batch_2w_over_1w {two_cpu / one_cpu:.2f}")
 
 

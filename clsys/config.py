@@ -329,7 +329,7 @@ def _coerce(key: str, value, tp):
                 continue
             if closed_set_problem(key, converted, tp) is None:
                 return converted
-        raise ConfigError(f"{key}: expected {choices(typing.get_args(tp))}, got {value!r}")
+        raise ConfigError(closed_set_problem(key, value, tp))
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):

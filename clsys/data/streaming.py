@@ -349,10 +349,12 @@ def one_at_a_time(bundles: Iterator[list[dict]], workers: int, turn: int) -> Ite
     """The batches of loader workers' ``bundles`` (each a list of one worker's batches, tagged with it) in the order
     the DataLoader hands out single batches: each worker in turn from ``turn``, an exhausted one passed over.
 
-    The DataLoader takes items from its workers in turn (its first worker is the one whose turn it is) and passes
-    over the exhausted, so the workers between two consecutive bundles' senders have no batch left; and every bundle
-    but a worker's last is full, so one batch of each worker in turn is the order of single batches. Knowing who ran
-    dry is what keeps this from reading ahead: it holds at most one bundle a worker."""
+    A batch is handed out only in its worker's turn, and a worker whose batches are used up is asked for the next
+    bundle, so the order is that of single batches whatever the bundles hold. Who ran dry comes from the DataLoader's
+    own order: it takes items from its workers in turn (its first worker is the one whose turn it is) and passes over
+    the exhausted, so the workers between two consecutive bundles' senders have no batch left. Knowing that is what
+    keeps this from reading ahead (without it, a worker that ran dry would be waited for to the end of the epoch): it
+    holds about a bundle a worker."""
     pending = [collections.deque() for _ in range(workers)]
     exhausted = [False] * workers
     last_sender = (turn - 1) % workers
