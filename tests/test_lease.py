@@ -5,9 +5,12 @@ tests/test_pretrain.py starts a second `python -m clsys.pretrain` beside a
 running one and sees it refused."""
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,11 +43,72 @@ def test_compare_and_swap_writes(run_url):
     assert first is not None and compare_and_swap.read_versioned(url) == (b"one", first)
     assert compare_and_swap.write_if(url, b"two", None) is None, "created over an existing object"
     second = compare_and_swap.write_if(url, b"two", first)
-    assert second is not None and storage.read_bytes(url) == b"two"
+    assert second is not None and compare_and_swap.read_versioned(url) == (b"two", second)
     assert compare_and_swap.write_if(url, b"three", first) is None, "replaced a version that was no longer current"
-    assert compare_and_swap.delete_if(url, first) is False and storage.exists(url)
-    assert compare_and_swap.delete_if(url, second) is True and compare_and_swap.read_versioned(url) is None
+    assert compare_and_swap.delete_if(url, first) is False and compare_and_swap.read_versioned(url)[0] == b"two"
+    third = compare_and_swap.write_if(url, b"three", second)
+    assert compare_and_swap.write_if(url, b"late", first) is None, "a write two versions late replaced the object"
+    assert compare_and_swap.read_versioned(url) == (b"three", third)
+    assert compare_and_swap.delete_if(url, third) is True and compare_and_swap.read_versioned(url) is None
+    assert compare_and_swap.write_if(url, b"four", third) is None, "replaced an object that was gone"
     assert compare_and_swap.write_if(url, b"four", second) is None, "replaced an object that was gone"
+    assert compare_and_swap.write_if(url, b"again", None) is not None, "a deleted object could not be made again"
+    if run_url.startswith("file://"):  # what a finished run leaves: the current generation, nothing else
+        assert [n for n in os.listdir(run_url[len("file://"):]) if n.startswith("object")] == ["object.000000000005"]
+
+
+def test_a_writer_stopped_between_its_read_and_its_write_is_refused(tmp_path, monkeypatch):
+    """On a folder a write conditioned on generation n takes the name of generation n+1, and names below the
+    newest are removed: a writer that read generation 1 and was stopped (before it wrote) while two others
+    wrote 2 and 3 finds the name of 2 free again. Its write must still be refused, and leave 3 current."""
+    from clsys.storage import local
+
+    url = f"file://{tmp_path}/LEASE"
+    first = compare_and_swap.write_if(url, b"one", None)
+    stale = local._current(str(tmp_path / "LEASE"))  # what the stopped writer read
+    third = compare_and_swap.write_if(url, b"three", compare_and_swap.write_if(url, b"two", first))
+    monkeypatch.setattr(local, "_current", lambda path: stale)  # it continues from there
+    assert compare_and_swap.write_if(url, b"late", first) is None, "a writer two versions late replaced the object"
+    monkeypatch.undo()
+    assert compare_and_swap.read_versioned(url) == (b"three", third)
+
+
+INCREMENT = """
+import sys
+from clsys import storage
+from clsys.storage import compare_and_swap
+url, times = sys.argv[1], int(sys.argv[2])
+for _ in range(times):
+    while True:
+        count, version = compare_and_swap.read_versioned(url)
+        if compare_and_swap.write_if(url, str(int(count) + 1).encode(), version) is not None:
+            break
+"""
+
+
+def test_compare_and_swap_loses_no_update_between_processes(run_url):
+    """Three processes add 1 to a counter 40 times each, by read and compare-and-swap: every refused write is
+    read again and retried, so the count ends at 120 only if no two writes replaced the same version (a
+    folder's write made an unconditional rename ended at 83)."""
+    url = storage.join(run_url, "counter")
+    assert compare_and_swap.write_if(url, b"0", None) is not None
+    adders = [subprocess.Popen([sys.executable, "-c", INCREMENT, url, "40"]) for _ in range(3)]
+    assert [adder.wait(timeout=120) for adder in adders] == [0, 0, 0]
+    assert compare_and_swap.read_versioned(url)[0] == b"120"
+
+
+def test_a_folder_without_hard_links_names_the_way_out(tmp_path, monkeypatch):
+    """Compare-and-swap on a folder is a hard link; a filesystem that refuses them (some FUSE and SMB mounts,
+    which cannot be mounted here: os.link is made to refuse as they do) gets an error naming the setting
+    that runs without a lease."""
+    def refuse(source, target):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with pytest.raises(storage.StorageError, match=r"LEASE: writing failed: Operation not permitted \(this "
+                                                   r"filesystem has no hard links.*cluster.lease_ttl_s=0"):
+        Lease(f"file://{tmp_path}/run", 3.0).acquire()
+    assert os.listdir(tmp_path / "run") == [], "the refused write left a file behind"
 
 
 def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
@@ -63,7 +127,7 @@ def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
         taker = Lease(run_url, 30.0, on_lost=lambda lease: pytest.fail("the new holder lost the lease"))
         taker.acquire(poll_s=0.1)
         assert 3 < time.monotonic() - started < 15
-        assert storage.read_json(storage.join(run_url, LEASE))["holder"] == taker.record["holder"]
+        assert _lease_holder(run_url) == taker.record["holder"]
         holder.send_signal(signal.SIGCONT)
         assert holder.wait(timeout=10) == 1
         assert f"this driver lost its lease (not renewed for 3 s) to pid {taker.record['pid']}" in holder.stderr.read()
@@ -72,6 +136,62 @@ def test_a_live_holder_keeps_the_run_and_a_stopped_one_loses_it(run_url):
     finally:
         holder.kill()
         holder.wait()
+
+
+STALL_IN_RENEWAL = """
+import os, signal, sys, time
+from clsys.storage.lease import Lease
+Lease(sys.argv[1], float(sys.argv[2])).acquire()
+flush = os.fsync
+def flush_then_stop(fd):  # the disk (or an NFS server) stalls while the renewal's bytes go out
+    flush(fd)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(1)  # the stop reaches every thread of the process, this one too, before it goes on
+os.fsync = flush_then_stop
+print("held", flush=True)
+signal.pause()
+"""
+
+
+def test_a_holder_stopped_inside_its_renewal_write_loses_the_run(tmp_path):
+    """The attacker's timing for a run folder on a filesystem: the holder is stopped halfway through
+    its compare-and-swap (its renewal written, not yet in place), the point where a lock-based write
+    holds the lock. The new driver must still take the lease over within the time-to-live, and the old
+    one, continued, must find its renewal refused and exit."""
+    run_url = f"file://{tmp_path}/run"
+    holder = subprocess.Popen([sys.executable, "-c", STALL_IN_RENEWAL, run_url, "3"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        deadline = time.monotonic() + 10
+        while _process_state(holder.pid) != "T":  # stopped by itself, inside its first renewal
+            assert time.monotonic() < deadline and holder.poll() is None, "the holder never renewed"
+            time.sleep(0.05)
+        taker = Lease(run_url, 30.0, on_lost=lambda lease: pytest.fail("the new holder lost the lease"))
+        acquiring = threading.Thread(target=taker.acquire, kwargs={"poll_s": 0.1}, daemon=True)
+        acquiring.start()
+        acquiring.join(timeout=20)
+        assert not acquiring.is_alive(), "the new driver hangs behind the stopped one"
+        assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is not None
+        holder.send_signal(signal.SIGCONT)
+        assert holder.wait(timeout=10) == 1
+        assert f"this driver lost its lease (not renewed for 3 s) to pid {taker.record['pid']}" in holder.stderr.read()
+        assert _lease_holder(run_url) == taker.record["holder"]
+        taker.release()
+        assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def _lease_holder(run_url: str) -> str:
+    found = compare_and_swap.read_versioned(storage.join(run_url, LEASE))
+    return storage.parse_json(found[0], "LEASE")["holder"]
 
 
 @pytest.fixture
@@ -105,7 +225,7 @@ def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, mon
     assert not lost, "a driver stopped for a renewal whose response was lost"
     assert proxy.injected["lost"] >= 2
     assert ("warning: renewing" in capsys.readouterr().err) == (retries == 0)
-    stored = storage.read_json(storage.join(run_url, LEASE))
+    stored = storage.parse_json(compare_and_swap.read_versioned(storage.join(run_url, LEASE))[0], LEASE)
     assert stored["holder"] == lease.record["holder"] and stored["renewals"] >= 4
     lease.release()
     assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is None
@@ -120,5 +240,5 @@ def test_a_lease_created_with_a_lost_response_is_taken_at_once(lossy_s3, capsys)
     lease.acquire(poll_s=0.1)
     assert time.monotonic() - started < 2.5 and proxy.injected["lost"] == 1
     assert "is held by" not in capsys.readouterr().out
-    assert storage.read_json(storage.join(run_url, LEASE))["holder"] == lease.record["holder"]
+    assert _lease_holder(run_url) == lease.record["holder"]
     lease.release()

@@ -20,6 +20,7 @@ import yaml
 from clsys import storage
 from clsys.recipes import load_config
 from clsys.engine.checkpoint import complete_checkpoints
+from clsys.storage import compare_and_swap
 from faults import Run, sample_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,7 +185,7 @@ def test_zero2_on_s3_checkpoints_resume_and_export(s3_bucket, tiny_bert_with_hea
     resumed = resuming.wait()
     assert resumed.returncode == 0
     assert second[0].returncode == 2 and f"in use by another driver (pid {resuming.proc.pid} on " in second[0].stderr
-    assert not storage.exists(f"{run_url}/LEASE"), "the lease outlived its driver"
+    assert compare_and_swap.read_versioned(f"{run_url}/LEASE") is None, "the lease outlived its driver"
     restarted = yaml.safe_load(storage.read_bytes(f"{run_url}/config.yaml"))  # this start's config
     assert (restarted["train"]["steps"], restarted["train"]["resume"]) == (6, "latest")
     assert "step-00000004 at step 4" in resumed.output

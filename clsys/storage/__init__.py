@@ -3,7 +3,7 @@ every other scheme fsspec knows (``gs://``, ``az://``, ``hf://``, …).
 
 Everything that reads or writes shards, manifests, checkpoints or logs goes through here. Each function parses
 the URL and calls its scheme's backend (``urls.backend``, the one place that tests a scheme), each backend
-implementing ``base.Backend``: ``local.py`` (atomic writes by rename, compare-and-swap under a file lock),
+implementing ``base.Backend``: ``local.py`` (atomic writes by rename, compare-and-swap by hard links, no lock),
 ``s3.py`` (with ``s3_client.py``: the client, retries, errors; ``s3_reader.py``: resumed reads),
 ``fsspec_store.py`` (every other scheme fsspec knows); ``compare_and_swap.py`` for the run lease. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);

@@ -1,8 +1,10 @@
 """Compare-and-swap on one object, what the run lease (``clsys.storage.lease``) is built on: read an object with a
 version tag, write or delete it only if it is still at that version (or, to create it, absent). On S3 the
-tag is the ETag and the condition goes with the request (``If-None-Match: *``, ``If-Match``); a local (or
-NFS) file gets a tag from its content and is compared and written under an exclusive lock. Other schemes
-have no such write: StorageError (``Backend.no_compare_and_swap``).
+tag is the ETag and the condition goes with the request (``If-None-Match: *``, ``If-Match``); on a local (or
+NFS) folder the object is a series of generation files, the tag is the newest one's number, and a write is a
+hard link to the next number's name, which fails if another writer took it (``clsys.storage.local``: no lock
+that a stopped writer could keep). Other schemes have no such write: StorageError
+(``Backend.no_compare_and_swap``).
 """
 from __future__ import annotations
 

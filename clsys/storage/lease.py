@@ -3,8 +3,8 @@
 Two drivers started on the same run folder (a job submitted twice, a requeued SLURM job beside the
 old one) would both write its checkpoints. The lease is a small JSON object (holder id, host, pid,
 time-to-live, a renewal counter) taken and renewed only by compare-and-swap: S3 conditional writes
-(``If-None-Match: *`` to create, ``If-Match: <ETag>`` to renew or take over), or a file under an
-exclusive lock (``clsys.storage.compare_and_swap``). The holder renews it every third of ``cluster.lease_ttl_s``
+(``If-None-Match: *`` to create, ``If-Match: <ETag>`` to renew or take over), or on a folder the next
+generation file, which only one writer can create (``clsys.storage.compare_and_swap``). The holder renews it every third of ``cluster.lease_ttl_s``
 and deletes it when it exits.
 
 A driver that finds the lease held watches it: a renewal means its holder is alive, and the driver

@@ -1,15 +1,28 @@
 """The local filesystem's backend (plain paths and ``file://``): writes are atomic (a temporary file beside the
-destination, flushed to disk and renamed over it), and compare-and-swap runs under an exclusive lock, so a run
-lease works on a local or shared (NFS) folder."""
+destination, flushed to disk and renamed over it), and compare-and-swap is a hard link that takes a new name or
+fails, so a run lease works on a local or shared (NFS) folder.
+
+Compare-and-swap without a lock. An object written by ``write_if`` is a series of generation files,
+``<path>.000000000001``, ``.000000000002``…, the highest one current; its version tag is that number. A write
+conditioned on generation n writes a whole file, flushes it, and links it to generation n+1's name: ``link()``
+creates a name only where there is none, in one step, also on NFS (on the server), so of two writers
+conditioned on n one gets the name and the other EEXIST. A lock would be held across the read, the compare and
+the write, and a writer stopped or hung inside it (SIGSTOP, a stalled disk) would stop every other one,
+including the driver that should take the run over from it; a link either happened or did not. A deletion is
+a generation too (a tombstone), so a writer still conditioned on an older one is refused; generations below
+the newest are removed, and a writer whose name was free only because it had been removed (its condition
+older than that) sees the newer generation and reports its write refused."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from clsys.storage.base import Backend, Location, StorageError, content_tag, discard_staged
+from clsys.storage.base import Backend, Location, StorageError, discard_staged
 
 
 def write_file(url: str, path: str, fill) -> None:
@@ -47,15 +60,62 @@ def publish(staged: str, url: str, path: str) -> None:
         discard_staged(staged)
 
 
-@contextlib.contextmanager
-def _file_lock(path: str):
-    """An exclusive lock around a compare-and-swap on a local (or NFS) file, held by a sidecar file."""
-    import fcntl
+RECORD, TOMBSTONE = b"+", b"-"  # a generation file's first byte: the object's content follows, or it was deleted
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+
+def _generation_path(path: str, generation: int) -> str:
+    return f"{path}.{generation:012d}"
+
+
+def _generations(path: str) -> list[int]:
+    """The generation numbers of ``path``'s compare-and-swap files, newest first (none: an empty list)."""
+    folder, name = os.path.split(path)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    suffixes = (n[len(name) + 1:] for n in names if n.startswith(f"{name}."))
+    return sorted((int(s) for s in suffixes if s.isdigit()), reverse=True)
+
+
+def _current(path: str) -> tuple[int, bytes | None]:
+    """(the newest generation, 0 when there is none; the object's content, None when absent or deleted)."""
+    while generations := _generations(path):
+        try:
+            with open(_generation_path(path, generations[0]), "rb") as f:
+                stored = f.read()
+        except FileNotFoundError:  # superseded and removed since it was listed: list again
+            continue
+        return generations[0], stored[1:] if stored[:1] == RECORD else None
+    return 0, None
+
+
+def _link_generation(url: str, path: str, generation: int, stored: bytes) -> bool:
+    """Make ``stored`` generation ``generation`` of ``path`` if no writer has taken that number; whether it did."""
+    staged = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(staged, "wb") as f:
+            f.write(stored)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(staged, _generation_path(path, generation))
+    except FileExistsError:
+        return False
+    except OSError as err:
+        hint = (" (this filesystem has no hard links, which compare-and-swap on a folder is built on: set "
+                "cluster.lease_ttl_s=0 to run without a lease, and start only one driver on the run)"
+                if err.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS) else "")
+        raise StorageError(f"{url}: writing failed: {err.strerror or err}{hint}") from None
+    finally:
+        discard_staged(staged)
+    others = [g for g in _generations(path) if g != generation]
+    if others and others[0] > generation:
+        return False  # the name was free only because it had been removed below a newer generation
+    for older in others:
+        with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+            os.remove(_generation_path(path, older))
+    return True
 
 
 class LocalFiles(Backend):
@@ -120,25 +180,17 @@ class LocalFiles(Backend):
         publish(staged, url, loc.path)
 
     def read_versioned(self, url: str, loc: Location) -> tuple[bytes, str] | None:
-        try:
-            with open(loc.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        return data, content_tag(data)
+        generation, data = _current(loc.path)
+        return None if data is None else (data, str(generation))
 
     def write_if(self, url: str, loc: Location, data: bytes, version: str | None) -> str | None:
-        with _file_lock(loc.path):
-            current = self.read_versioned(url, loc)
-            if (current[1] if current else None) != version:
-                return None
-            self.write_bytes(url, loc, data)
-        return content_tag(data)
+        generation, current = _current(loc.path)
+        if (None if current is None else str(generation)) != version:
+            return None
+        return str(generation + 1) if _link_generation(url, loc.path, generation + 1, RECORD + data) else None
 
     def delete_if(self, url: str, loc: Location, version: str) -> bool:
-        with _file_lock(loc.path):
-            current = self.read_versioned(url, loc)
-            if current is None or current[1] != version:
-                return False
-            os.remove(loc.path)
-        return True
+        generation, current = _current(loc.path)
+        if current is None or str(generation) != version:
+            return False
+        return _link_generation(url, loc.path, generation + 1, TOMBSTONE)

@@ -47,7 +47,7 @@ def run(cfg: Config, repeats: int) -> int:
                 seeded.train.name = f"{cfg.train.name}/seed-{seeded.train.seed}"
             run = run_url(seeded)
             storage.check_bucket(run)
-            # This driver's lease (and its lock file, on a filesystem) is not a sign of an earlier run.
+            # This driver's lease (its generation files, on a filesystem) is not a sign of an earlier run.
             earlier = (url for url in storage.list_prefix(run) if not url.rpartition("/")[2].startswith(LEASE))
             if cfg.train.resume != "latest" and next(earlier, None) is not None:
                 raise ConfigError(f"{run} already exists: pass --resume latest to continue it (complete stages "
