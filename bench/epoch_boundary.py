@@ -1,6 +1,7 @@
 """The loader's wait at epoch boundaries against its steady state, over several epochs of training steps.
 
     python bench/epoch_boundary.py [--epochs 4] [--batch 128] [--workers 2] [--model bert-mini] [--shards 4] [--bundle N]
+        [--result-pipe-kib K] [--worker-niceness N]
 
 Unsupervised SimCSE's loader (``ShardLoader`` + the objective's collate, MiniLM's tokenizer, max length 32) over
 the bundled Wikipedia sample's sentence shards (its first --shards of 10, so that an epoch is short), consumed by real training steps of a small model in this
@@ -32,6 +33,7 @@ from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
+import loader_settings  # noqa: E402
 from sample_data import sample_shards  # noqa: E402
 
 MODELS = {"bert-mini": [f"model.name={REPO}/clsys/configs/models/bert-mini.json", "model.init=scratch",
@@ -49,7 +51,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4, help="shards of the sample read (an epoch's length)")
     parser.add_argument("--bundle", type=int, default=None,
                         help="batches a loader worker sends at once (default: the loader's, batches_per_transfer)")
+    loader_settings.add_arguments(parser)
     args = parser.parse_args()
+    settings = loader_settings.apply(args)
 
     # A stream of the sample's first --shards shards: its own manifest beside links to the shard files.
     source = sample_shards() / "sentences"
@@ -90,8 +94,9 @@ def main() -> None:
     boundary = [w for e, i, w, _ in waits if e > 0 and i < AFTER_BOUNDARY]
     steady = [w for e, i, w, _ in waits if i >= AFTER_BOUNDARY]
     step_s = statistics.median(s - w for _, _, w, s in waits)
-    print(f"\nSimCSE loader, {args.model}, batch {args.batch}, {args.workers} loader worker(s), {len(waits)} steps "
-          f"over {args.epochs} epochs; median step without the wait {step_s * 1000:.1f} ms")
+    print(f"\nSimCSE loader, {args.model}, batch {args.batch}, {args.workers} loader worker(s), bundles of "
+          f"{loader.bundle}, {settings}, {len(waits)} steps over {args.epochs} epochs; "
+          f"median step without the wait {step_s * 1000:.1f} ms")
     print(f"{'epoch':>5} {'steps':>5} {'wait first 10 ms':>16} {'wait rest ms/step':>17}")
     for e in range(args.epochs):
         first = [w for ep, i, w, _ in waits if ep == e and i < AFTER_BOUNDARY]

@@ -1,6 +1,7 @@
 """Training loader throughput from file:// and from an S3 server, against the training step's consumption.
 
     python bench/loader_throughput.py [--batches 150] [--steps 16] [--batch 64] [--max-length 32] [--length-group 16]
+        [--result-pipe-kib K] [--worker-niceness N]
 
 The loader is the one every training rank runs (``clsys.data.streaming.ShardLoader``: shard listing,
 sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective's ``collate`` in the
@@ -41,6 +42,7 @@ from clsys.data.streaming import ShardLoader  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
+import loader_settings  # noqa: E402
 from process_runs import machine_idle_s  # noqa: E402
 from sample_data import sample_shards  # noqa: E402
 
@@ -119,7 +121,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="sentences per batch (one rank's micro-batch)")
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--length-group", type=int, default=16, help="K of the grouped training rate")
+    loader_settings.add_arguments(parser)
     args = parser.parse_args()
+    settings = loader_settings.apply(args)
 
     shards = sample_shards()
     local = f"file://{shards / 'sentences'}"
@@ -150,7 +154,7 @@ def main() -> None:
     print(f"\nSimCSE, all-MiniLM-L6-v2, batch {args.batch}, max length {args.max_length}, {torch.get_num_threads()} "
           f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step, "
           f"{padding:.1%} padding); grouped by length in windows of {args.length_group} batches: "
-          f"{grouped:.1f} samples/s ({grouped_padding:.1%} padding)")
+          f"{grouped:.1f} samples/s ({grouped_padding:.1%} padding); loader: {settings}")
     print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10} "
           f"{'CPU ms/batch':>12} {'trainer ms':>10}")
     for source, workers, first, rate, machine, trainer in rows:

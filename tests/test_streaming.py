@@ -10,6 +10,7 @@ import io
 import json
 import os
 import random
+import sys
 import tarfile
 
 import psutil
@@ -53,6 +54,10 @@ def collate(samples):
 
 def worker_environment(samples):
     return {"env": os.environ.get("CLSYS_TEST_LOADER_ENV")}
+
+
+def worker_niceness(samples):
+    return {"niceness": os.nice(0)}
 
 
 def take(loader, n):
@@ -162,6 +167,37 @@ def test_bundles_change_nothing_but_the_transfer(tmp_path):
         resumed = ShardLoader(url, collate=NoisyCollate(), bundle=5, **args)
         resumed.load_state_dict(single_states[k - 1])
         assert same_batches(consume(resumed, total - k)[0], single[k:]), k
+
+
+def heavy_collate(samples):
+    return {"noise": torch.rand(100_000)}  # 400 KB: a bundle larger than a default pipe (64 KiB)
+
+
+def test_a_bundle_made_while_the_trainer_is_busy_is_there_whole(tmp_path):
+    """The worker's batches are made while the trainer steps; when it asks for one it must be in the pipe
+    whole, not 64 KiB of it with the rest waiting for the worker's queue thread to be scheduled (a few ms
+    a bundle on busy cores). Nobody reads here: the pipe must come to hold the worker's prefetched bundles."""
+    import fcntl
+    import termios
+    import time
+
+    from clsys.data.streaming import RESULT_PIPE_BYTES, SegmentReader, grow_result_pipe
+
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, [40])
+    loader = ShardLoader(url, rank=0, ranks=1, micro_batch=4, collate=heavy_collate, seed=1, bundle=1)
+    reader = SegmentReader(loader, loader.state)
+    try:
+        pipe = reader.bundles._worker_result_queue._reader.fileno()  # torch's private queue: see grow_result_pipe
+        waiting, deadline = 0, time.monotonic() + 15
+        while waiting < 2 * 400_000 and time.monotonic() < deadline:  # the DataLoader's prefetch: two batches
+            time.sleep(0.05)
+            waiting = int.from_bytes(fcntl.ioctl(pipe, termios.FIONREAD, b"\0" * 4), sys.byteorder)
+        assert waiting >= 2 * 400_000, f"{waiting} bytes in the pipe: the bundles did not fit"
+        assert grow_result_pipe(reader.bundles) == RESULT_PIPE_BYTES
+        assert next(iter(reader))["noise"].shape == (100_000,)
+    finally:
+        reader.close()
 
 
 @pytest.mark.parametrize("counts, bundle, turn", [([23, 5, 14], 2, 0), ([23, 5, 14], 3, 1), ([12, 12], 4, 1),
@@ -312,6 +348,19 @@ def test_loader_workers_do_not_share_the_trainers_memory(tmp_path, monkeypatch):
 
     assert not any(maps_state(w) for w in workers)
     assert all(w.ppid() != os.getpid() for w in workers)
+
+
+def test_loader_workers_yield_the_cores_to_the_trainer(tmp_path):
+    """Both workers run LOADER_WORKER_NICENESS nicer than the trainer, so that on shared cores the trainer's
+    thread gets a core as soon as it asks for a batch; the trainer's own priority is left as it was."""
+    from clsys.data.streaming import LOADER_WORKER_NICENESS
+
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, [40, 40])
+    trainer = os.nice(0)
+    batches = iter(ShardLoader(url, 0, 1, 4, worker_niceness, seed=0, loader_workers=2, shuffle_buffer=8))
+    assert {next(batches)["niceness"] for _ in range(4)} == {min(19, trainer + LOADER_WORKER_NICENESS)}
+    assert os.nice(0) == trainer and LOADER_WORKER_NICENESS > 0
 
 
 def test_epochs_reshuffle(tmp_path):

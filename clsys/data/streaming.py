@@ -43,6 +43,7 @@ A state saved under another geometry continues its epoch as ``clsys.data.epoch_l
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import io
 import itertools
@@ -86,6 +87,19 @@ MAX_PREFETCH = 64  # batches per loader worker
 # index sent back, thread wake-ups), 8-15% of a core at 64-sample batches, taken from the cores the workers share.
 TRANSFER_SAMPLES = 512
 MAX_TRANSFER = 16  # batches per bundle
+# The pipe that carries finished bundles from the workers to the trainer holds this much (Linux; a pipe holds 64 KiB
+# by default, and 1 MiB is the most an unprivileged process may ask for, /proc/sys/fs/pipe-max-size). A bundle,
+# ~200 KB of SimCSE's at batch 64, does not fit a default pipe: the worker's queue thread writes part of it and
+# waits, and the trainer reads that part, then waits for the thread to be scheduled and write the next, a few ms a
+# bundle on cores the workers and the step share. In a pipe that holds it, a bundle made during a step is there whole.
+RESULT_PIPE_BYTES = 1 << 20
+# Loader workers run this much nicer than the trainer (Linux's scheduling priority: +10 weighs ~1/10 of a default
+# process). Where the cores are shared (a 2-core machine; a GPU node with more workers than spare cores), a worker
+# that has just been sent its next index is making a bundle exactly when the trainer asks for the one before, and at
+# equal priority the trainer's thread, the one that feeds the step (on a GPU, its kernel launches), waited a time
+# slice for a core: 4-9 ms at ~half the steps that read a bundle, twice that at epoch boundaries. The workers' work is
+# the same, only later in a step, and a step is long against it.
+LOADER_WORKER_NICENESS = 10
 
 
 def batches_per_transfer(micro_batch: int) -> int:
@@ -169,6 +183,7 @@ class RankStream(IterableDataset):
         # The trainer's environment now (storage endpoints, credentials): the workers' forkserver has the one it
         # was started with, so each worker takes this one, as a worker forked from the trainer would.
         self.environ = dict(os.environ)
+        self.niceness = LOADER_WORKER_NICENESS  # read here, in the trainer, where a benchmark may change it
 
     def _stream(self, rank: int, worker: int, skipped: collections.Counter) -> Iterator[dict]:
         """The samples of the stream of (rank, worker): its shards through the seeded shuffle buffer."""
@@ -222,6 +237,8 @@ class RankStream(IterableDataset):
         if info is not None and os.environ != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
+        if info is not None and self.niceness:
+            os.nice(self.niceness)  # this worker process, a new one for each segment; its threads start later
         worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
         piece, skip = self.layout.pieces[self.rank][worker], self.skip[worker]
         if skip >= piece.batches:
@@ -375,6 +392,24 @@ def one_at_a_time(bundles: Iterator[list[dict]], workers: int, turn: int) -> Ite
             last_sender = sender
 
 
+def grow_result_pipe(batches: Iterator) -> int:
+    """Make the pipe that carries a DataLoader iterator's finished items hold ``RESULT_PIPE_BYTES``; its size after.
+    The pipe is torch's private ``_worker_result_queue`` (a ``multiprocessing.Queue``): where that or the resize is
+    missing (another torch, another OS) or refused (over the user's pipe limits), the pipe stays as it was and
+    bundles are read in parts, as before."""
+    writer = getattr(getattr(batches, "_worker_result_queue", None), "_writer", None)
+    if writer is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return 0
+    try:
+        pipe = writer.fileno()
+    except OSError:  # closed: the iterator is done
+        return 0
+    try:
+        return fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, RESULT_PIPE_BYTES)
+    except OSError:
+        return fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ)
+
+
 class SegmentReader:
     """The rest of the current segment of one epoch, read by this rank's DataLoader workers; they start
     (and begin reading ahead) when the reader is made. Iterating updates ``state``, the loader's position."""
@@ -395,6 +430,7 @@ class SegmentReader:
                                            generator=torch.Generator(), pin_memory=loader.pin_memory,
                                            prefetch_factor=max(2, math.ceil(prefetch / loader.bundle)),
                                            multiprocessing_context=loader.worker_start))
+            grow_result_pipe(self.bundles)
 
     @property
     def step_seconds(self) -> float | None:
