@@ -21,28 +21,45 @@ from clsys.engine.launch import free_loopback_port as free_port  # noqa: E402  (
 
 
 # The files of the ``slow`` tests (Ray clusters, DeepSpeed runs): two thirds of the suite's time, during which
-# ~30% of two cores sit idle while the tests wait on processes. `make test` runs them, in order, in one
-# pytest-xdist worker, while the other worker takes the many short tests beside them.
+# ~30% of two cores sit idle while the tests wait on processes.
 SLOW_FILES = {"tests/test_clir_pipeline.py", "tests/test_css_pipeline.py", "tests/test_fault_tolerance.py",
               "tests/test_local_cluster.py", "tests/test_pretrain.py", "tests/test_slurm.py"}
+# Of those, the files `make test` runs in one pytest-xdist worker, in this order, while the other worker takes the
+# many short tests and test_pretrain.py's among them. With every slow file in the one worker, the other was done at
+# 13.5 min and the slow files went on alone to 27.6 (2026-11-28). The local-cluster and SLURM tests come last, once the
+# other worker is done: under its load a job was once submitted before Ray's job agent was up.
+ONE_WORKER_FILES = ("tests/test_clir_pipeline.py", "tests/test_fault_tolerance.py", "tests/test_css_pipeline.py",
+                    "tests/test_local_cluster.py", "tests/test_slurm.py")
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.partition("::")[0]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    if item.get_closest_marker("slow") and item.nodeid.partition("::")[0] not in SLOW_FILES:
+    if item.get_closest_marker("slow") and _file(item) not in SLOW_FILES:
         raise pytest.UsageError(f"{item.nodeid} is marked slow: add its file to SLOW_FILES in tests/conftest.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """ONE_WORKER_FILES' tests last, in that order of files (each file's tests in their own order), the others
+    as they were."""
+    lane = sorted((item for item in items if _file(item) in ONE_WORKER_FILES),
+                  key=lambda item: ONE_WORKER_FILES.index(_file(item)))
+    items[:] = [item for item in items if _file(item) not in ONE_WORKER_FILES] + lane
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """pytest-xdist's scheduling by scope, one scope holding every test of SLOW_FILES. Scopes go out largest
+    """pytest-xdist's scheduling by scope, one scope holding every test of ONE_WORKER_FILES. Scopes go out largest
     first, so that one starts at once; a file's short tests ride along (a few seconds)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlowFilesTogether(LoadScopeScheduling):
+    class OneWorkerFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slow" if nodeid.partition("::")[0] in SLOW_FILES else nodeid
+            return "one worker" if nodeid.partition("::")[0] in ONE_WORKER_FILES else nodeid
 
-    return SlowFilesTogether(config, log)
+    return OneWorkerFilesTogether(config, log)
 
 
 @contextlib.contextmanager
