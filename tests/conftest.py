@@ -32,21 +32,21 @@ ONE_WORKER_FILES = ("tests/test_clir_pipeline.py", "tests/test_fault_tolerance.p
                     "tests/test_local_cluster.py", "tests/test_slurm.py")
 
 
-def _file(item: pytest.Item) -> str:
-    return item.nodeid.partition("::")[0]
+def _file(nodeid: str) -> str:
+    return nodeid.partition("::")[0]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    if item.get_closest_marker("slow") and _file(item) not in SLOW_FILES:
+    if item.get_closest_marker("slow") and _file(item.nodeid) not in SLOW_FILES:
         raise pytest.UsageError(f"{item.nodeid} is marked slow: add its file to SLOW_FILES in tests/conftest.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """ONE_WORKER_FILES' tests last, in that order of files (each file's tests in their own order), the others
     as they were."""
-    lane = sorted((item for item in items if _file(item) in ONE_WORKER_FILES),
-                  key=lambda item: ONE_WORKER_FILES.index(_file(item)))
-    items[:] = [item for item in items if _file(item) not in ONE_WORKER_FILES] + lane
+    lane = sorted((item for item in items if _file(item.nodeid) in ONE_WORKER_FILES),
+                  key=lambda item: ONE_WORKER_FILES.index(_file(item.nodeid)))
+    items[:] = [item for item in items if _file(item.nodeid) not in ONE_WORKER_FILES] + lane
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -57,7 +57,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class OneWorkerFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "one worker" if nodeid.partition("::")[0] in ONE_WORKER_FILES else nodeid
+            return "one worker" if _file(nodeid) in ONE_WORKER_FILES else nodeid
 
     return OneWorkerFilesTogether(config, log)
 
