@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from clsys.data import streaming
+from clsys.data import batch_transport, streaming
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--result-pipe-kib", type=int, default=streaming.RESULT_PIPE_BYTES >> 10,
+    parser.add_argument("--result-pipe-kib", type=int, default=batch_transport.RESULT_PIPE_BYTES >> 10,
                         help="the pipe that carries finished bundles to the trainer (64: a pipe's default size)")
     parser.add_argument("--worker-niceness", type=int, default=streaming.LOADER_WORKER_NICENESS,
                         help="how much nicer than the trainer the loader workers run (0: the same priority)")
@@ -19,6 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def apply(args: argparse.Namespace) -> str:
     """Set the loader's constants from ``args``; what they are, in words, for the report."""
-    streaming.RESULT_PIPE_BYTES = args.result_pipe_kib << 10
+    batch_transport.RESULT_PIPE_BYTES = args.result_pipe_kib << 10
     streaming.LOADER_WORKER_NICENESS = args.worker_niceness
     return f"a {args.result_pipe_kib} KiB result pipe, workers {args.worker_niceness} nicer than the trainer"

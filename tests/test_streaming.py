@@ -187,7 +187,8 @@ def test_a_bundle_made_while_the_trainer_is_busy_is_there_whole(tmp_path):
     import termios
     import time
 
-    from clsys.data.streaming import RESULT_PIPE_BYTES, SegmentReader, grow_result_pipe
+    from clsys.data.batch_transport import RESULT_PIPE_BYTES, grow_result_pipe
+    from clsys.data.streaming import SegmentReader
 
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, [40])
@@ -213,12 +214,12 @@ def test_one_at_a_time_hands_out_the_single_batch_order_holding_a_bundle_a_worke
     over) → the order single batches would have: each worker in turn, an exhausted one passed over
     (``round_robin_position``'s order). It may not read ahead to learn who ran dry: at every batch handed out
     it holds at most one bundle a worker."""
-    from clsys.data.streaming import _WORKER, one_at_a_time
+    from clsys.data.batch_transport import WORKER_KEY, one_at_a_time
 
     workers, pulled = len(counts), [0]
 
     def delivered():
-        left = [[{_WORKER: w, "i": i} for i in range(n)] for w, n in enumerate(counts)]
+        left = [[{WORKER_KEY: w, "i": i} for i in range(n)] for w, n in enumerate(counts)]
         w = turn
         while any(left):
             if left[w]:
@@ -235,7 +236,7 @@ def test_one_at_a_time_hands_out_the_single_batch_order_holding_a_bundle_a_worke
         w = (w + 1) % workers
     got = []
     for batch in one_at_a_time(delivered(), workers, turn):
-        got.append((batch[_WORKER], batch["i"]))
+        got.append((batch[WORKER_KEY], batch["i"]))
         assert pulled[0] - len(got) <= workers * bundle, (len(got), pulled[0])
     assert got == expected
 

@@ -4,6 +4,7 @@ safety: test_streaming.py."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from clsys.data.epoch_layout import plan_epoch
@@ -75,6 +76,39 @@ class _Sleep:
         return time.sleep, (self.seconds,)
 
 
+def unpickling_thread() -> str:
+    return threading.current_thread().name
+
+
+class UnpickledOn:
+    """Becomes, in the trainer, the name of the thread that unpickled it: the one that took its batch off the pipe."""
+
+    def __reduce__(self):
+        return unpickling_thread, ()
+
+
+def tag_with_unpickling_thread(samples):
+    return {"unpickled_on": UnpickledOn()}
+
+
+def test_the_next_epochs_first_batches_are_taken_off_the_pipe_before_the_boundary(tmp_path):
+    """Reading a bundle off the workers' pipe and unpickling it took 2.4-3.5 ms of a step's wait, and at a boundary
+    the first bundle of each new worker came in the epoch's first two steps (bench/epoch_boundary.py). The read-ahead
+    thread takes each new worker's first bundle off the pipe before the boundary (and any later one that came while
+    it waited: the DataLoader unpickles what arrives out of turn and keeps it for its turn)."""
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    loader = ShardLoader(url, 0, 1, 4, tag_with_unpickling_thread, seed=3, loader_workers=2, shuffle_buffer=8,
+                         bundle=2)
+    per_epoch = plan_epoch(loader.shards, 0, 3, 1, 2, 4).batches_per_rank
+    batches = iter(loader)
+    threads = [next(batches)["unpickled_on"] for _ in range(per_epoch + 8)]
+    assert loader.state_dict()["epoch"] == 1
+    boundary = threads[per_epoch:]
+    assert all(t != threading.main_thread().name for t in boundary[:4]), boundary  # two bundles of two batches
+    assert all(t == threading.main_thread().name for t in threads[:per_epoch]), threads  # the first reader's own
+
+
 def test_starting_the_next_epochs_workers_does_not_hold_up_the_steps(tmp_path):
     """The next epoch's workers are started at half-epoch while training goes on: no step waits for them to
     unpickle their collate (with the training thread starting them, one step waited 2 × 1.5 s here)."""
@@ -96,10 +130,11 @@ def test_starting_the_next_epochs_workers_does_not_hold_up_the_steps(tmp_path):
 
 
 def test_the_next_epochs_prefetch_depth_follows_the_step_time(tmp_path):
-    """Each loader worker keeps ~2 s of steps ready (at least the DataLoader's 2): steps of 0.26 s with two
-    workers make the next epoch's workers prefetch ⌈2 / 0.26 / 2⌉ = 4 batches each, 8 in all, before the
-    boundary (any step time from 0.25 to 0.33 s gives 4: a loaded machine's slower steps too); the first
-    epoch, with no step measured yet, 2 each."""
+    """Each loader worker keeps ~2 s of steps ready (at least the DataLoader's 2) besides its first batch, which
+    the reader takes off the pipe as it is made: steps of 0.26 s with two workers make the next epoch's workers
+    prefetch ⌈2 / 0.26 / 2⌉ = 4 batches each, 8 in all, before the boundary, and 2 first ones (any step time from
+    0.25 to 0.33 s gives 4: a loaded machine's slower steps too); the first epoch, with no step measured yet, 2
+    each besides the first."""
     assert [prefetch_depth(None, 2), prefetch_depth(1.0, 2), prefetch_depth(0.05, 4), prefetch_depth(1e-4, 1)] == \
         [2, 2, 10, 64]
     url = f"file://{tmp_path}/stream"
@@ -111,11 +146,11 @@ def test_the_next_epochs_prefetch_depth_follows_the_step_time(tmp_path):
     batches = iter(loader)
     next(batches)
     deadline = time.monotonic() + 60
-    while len(log.read_text().split()) < 1 + 2 * 2 and time.monotonic() < deadline:  # workers fill their prefetch
+    while len(log.read_text().split()) < 2 + 2 * 2 and time.monotonic() < deadline:  # workers fill their prefetch
         time.sleep(0.1)
     time.sleep(0.5)  # and make no more than that
     made = log.read_text().split()
-    assert len(made) == 1 + 2 * 2  # the batch handed out, and 2 a worker ready
+    assert len(made) == 2 + 2 * 2  # the first batch of each (one handed out), and 2 a worker ready
     for _ in range(per_epoch // 2 + 1):  # the read-ahead starts at the request after the half-epoch's batch
         time.sleep(0.26)
         next(batches)
@@ -126,7 +161,7 @@ def test_the_next_epochs_prefetch_depth_follows_the_step_time(tmp_path):
         return [pid for pid in log.read_text().split() if pid not in this_epoch]
 
     deadline = time.monotonic() + 60
-    while len(ahead()) < 2 * 4 and time.monotonic() < deadline:  # the next epoch's workers start and prefetch
+    while len(ahead()) < 2 + 2 * 4 and time.monotonic() < deadline:  # the next epoch's workers start and prefetch
         time.sleep(0.1)
     time.sleep(1.0)  # and make no more than that
-    assert len(set(ahead())) == 2 and len(ahead()) == 2 * 4, ahead()
+    assert len(set(ahead())) == 2 and len(ahead()) == 2 + 2 * 4, ahead()

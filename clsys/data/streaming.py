@@ -43,7 +43,6 @@ A state saved under another geometry continues its epoch as ``clsys.data.epoch_l
 from __future__ import annotations
 
 import collections
-import fcntl
 import gc
 import hashlib
 import io
@@ -66,14 +65,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clsys import storage
 from clsys.config import Config
-from clsys.data.batch_transport import PackedBatch, unpack
+from clsys.data.batch_transport import (WORKER_KEY, PackedBatch, batches_per_transfer, grow_result_pipe,
+                                        one_at_a_time, unpack)
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
 from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
-_WORKER = "__loader_worker__"  # tags a batch with the worker that made it; ShardLoader pops it
 # What the forkserver imports once, so that each loader worker forked from it starts in a fraction of a second
 # ("__main__": the trainer's main module, which each worker would otherwise import again: under Ray, Ray's own).
 _FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streaming", "clsys.objectives"]
@@ -83,17 +82,6 @@ _FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streamin
 # storage: 64 MiB at ~100 MB/s is 0.6 s; a run of long texts) does not reach the step. Batches are small (token ids).
 PREFETCH_SECONDS = 2.0
 MAX_PREFETCH = 64  # batches per loader worker
-# A loader worker sends its batches to the trainer in bundles of about this many samples (``batches_per_transfer``):
-# each item the DataLoader moves costs the trainer's process ~0.3 ms of CPU whatever its size (its queue, the next
-# index sent back, thread wake-ups), 8-15% of a core at 64-sample batches, taken from the cores the workers share.
-TRANSFER_SAMPLES = 512
-MAX_TRANSFER = 16  # batches per bundle
-# The pipe that carries finished bundles from the workers to the trainer holds this much (Linux; a pipe holds 64 KiB
-# by default, and 1 MiB is the most an unprivileged process may ask for, /proc/sys/fs/pipe-max-size). A bundle,
-# ~200 KB of SimCSE's at batch 64, does not fit a default pipe: the worker's queue thread writes part of it and
-# waits, and the trainer reads that part, then waits for the thread to be scheduled and write the next, a few ms a
-# bundle on cores the workers and the step share. In a pipe that holds it, a bundle made during a step is there whole.
-RESULT_PIPE_BYTES = 1 << 20
 # Loader workers run this much nicer than the trainer (Linux's scheduling priority: +10 weighs ~1/10 of a default
 # process). Where the cores are shared (a 2-core machine; a GPU node with more workers than spare cores), a worker
 # that has just been sent its next index is making a bundle exactly when the trainer asks for the one before, and at
@@ -101,11 +89,6 @@ RESULT_PIPE_BYTES = 1 << 20
 # slice for a core: 4-9 ms at ~half the steps that read a bundle, twice that at epoch boundaries. The workers' work is
 # the same, only later in a step, and a step is long against it.
 LOADER_WORKER_NICENESS = 10
-
-
-def batches_per_transfer(micro_batch: int) -> int:
-    """How many batches a loader worker sends at once: ``TRANSFER_SAMPLES``' worth, from 1 to ``MAX_TRANSFER``."""
-    return max(1, min(MAX_TRANSFER, TRANSFER_SAMPLES // micro_batch))
 
 
 def prefetch_depth(step_seconds: float | None, workers: int) -> int:
@@ -257,7 +240,7 @@ class RankStream(IterableDataset):
             seed_global_rngs(self.seed, self.epoch, self.segment, self.rank, worker, made)
             out = self.collate(batch)  # skipped batches too: collate may keep state
             if made >= skip:
-                out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), _WORKER: worker})
+                out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), WORKER_KEY: worker})
                 bundle.append(PackedBatch(out))  # its tensors as bytes in the pickle: shared memory costs more
                 if len(bundle) == self.bundle:
                     yield bundle
@@ -342,9 +325,11 @@ class ShardLoader:
         not at once: a run that ends early in an epoch (most tests) starts no workers it never uses. They are
         started from a thread: starting a worker blocks until it has unpickled the dataset (the collate's
         tokenizer), ~0.7 s a worker in a GPU trainer, measured as a 3 s stall of every step at half-epoch
-        when the training thread started them. The finished epoch's workers are stopped from a thread too. The
-        next epoch's workers keep ``prefetch_depth`` batches each ready (whole bundles, at least two), from this
-        epoch's step time."""
+        when the training thread started them; that thread also takes each new worker's first bundle off the pipe
+        (``SegmentReader``). The finished epoch's workers are stopped from a thread too. The next epoch's workers
+        keep ``prefetch_depth`` batches each ready besides their first (whole bundles, at least two), from this
+        epoch's step time. A run that ends between half-epoch and the read-ahead's first bundles waits for them
+        before it stops the new workers."""
         reader, ahead = SegmentReader(self, self.state), None
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
 
@@ -352,70 +337,33 @@ class ShardLoader:
             return background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
                                      prefetch_depth(reader.step_seconds, self.workers))
 
+        # The finished epoch's reader, whose workers are stopped (20-40 ms of joining them, from the thread) once the
+        # next epoch's first batch is out: stopping them meanwhile took the trainer's thread's interpreter lock, and
+        # the first step after the boundary waited 1-6 ms for it.
+        finished: SegmentReader | None = None
         try:
             while True:
                 for batch in reader:
                     yield batch
+                    if finished is not None:
+                        background.submit(finished.close)
+                        finished = None
                     if ahead is None and reader.half_read:
                         ahead = read_ahead()
-                background.submit(reader.close)  # 20-40 ms of joining workers: the first step waited on it
+                if finished is not None:  # an epoch that had no batch to hand out
+                    background.submit(finished.close)
+                finished = reader
                 if ahead is None:  # an epoch resumed at its end
                     ahead = read_ahead()
                 reader, ahead = ahead.result(), None
                 self.state = reader.state
         finally:
             reader.close()
-            if ahead is not None and ahead.exception() is None:  # waits for its workers to have started
+            if finished is not None:
+                finished.close()
+            if ahead is not None and ahead.exception() is None:  # waits for its workers' first bundles
                 ahead.result().close()
             background.shutdown()
-
-
-def one_at_a_time(bundles: Iterator[list[dict]], workers: int, turn: int) -> Iterator[dict]:
-    """The batches of loader workers' ``bundles`` (each a list of one worker's batches, tagged with it) in the order
-    the DataLoader hands out single batches: each worker in turn from ``turn``, an exhausted one passed over.
-
-    A batch is handed out only in its worker's turn, and a worker whose batches are used up is asked for the next
-    bundle, so the order is that of single batches whatever the bundles hold. Who ran dry comes from the DataLoader's
-    own order: it takes items from its workers in turn (its first worker is the one whose turn it is) and passes over
-    the exhausted, so the workers between two consecutive bundles' senders have no batch left. Knowing that is what
-    keeps this from reading ahead (without it, a worker that ran dry would be waited for to the end of the epoch): it
-    holds about a bundle a worker."""
-    pending = [collections.deque() for _ in range(workers)]
-    exhausted = [False] * workers
-    last_sender = (turn - 1) % workers
-    while not all(exhausted[w] and not pending[w] for w in range(workers)):
-        if pending[turn]:
-            yield pending[turn].popleft()
-            turn = (turn + 1) % workers
-        elif exhausted[turn]:
-            turn = (turn + 1) % workers
-        elif (batches := next(bundles, None)) is None:
-            exhausted = [True] * workers
-        else:
-            sender = batches[0][_WORKER]
-            passed = (last_sender + 1) % workers
-            while passed != sender:
-                exhausted[passed], passed = True, (passed + 1) % workers
-            pending[sender].extend(batches)
-            last_sender = sender
-
-
-def grow_result_pipe(batches: Iterator) -> int:
-    """Make the pipe that carries a DataLoader iterator's finished items hold ``RESULT_PIPE_BYTES``; its size after.
-    The pipe is torch's private ``_worker_result_queue`` (a ``multiprocessing.Queue``): where that or the resize is
-    missing (another torch, another OS) or refused (over the user's pipe limits), the pipe stays as it was and
-    bundles are read in parts, as before."""
-    writer = getattr(getattr(batches, "_worker_result_queue", None), "_writer", None)
-    if writer is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
-        return 0
-    try:
-        pipe = writer.fileno()
-    except OSError:  # closed: the iterator is done
-        return 0
-    try:
-        return fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, RESULT_PIPE_BYTES)
-    except OSError:
-        return fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ)
 
 
 class SegmentReader:
@@ -426,6 +374,7 @@ class SegmentReader:
         self.state, self.rank = state, loader.rank
         self.layout = loader.layout(state)
         self.bundles: Iterator[list] | None = None  # what the DataLoader yields: each a list of one worker's batches
+        self.first_bundles: list[list] = []  # each worker's first, taken off the pipe as the reader is made
         self.handed_out_at: float | None = None  # when the last batch went to the trainer
         self.step_times: collections.deque[float] = collections.deque(maxlen=256)  # the recent intervals
         self.fresh = state.segments[-1].batches == 0
@@ -439,6 +388,16 @@ class SegmentReader:
                                            prefetch_factor=max(2, math.ceil(prefetch / loader.bundle)),
                                            multiprocessing_context=loader.worker_start))
             grow_result_pipe(self.bundles)
+            # A reader is made on the read-ahead thread, before the boundary: there, not on the trainer's thread in
+            # the epoch's first steps, each worker's first bundle is read off the pipe and unpickled (2.4-3.5 ms of
+            # a step's wait each, two of them in the first two steps with two workers). The DataLoader hands out
+            # one item per worker in turn, so the first ``workers`` items are each worker's first (fewer: a worker
+            # had nothing to send).
+            try:
+                self.first_bundles = list(itertools.islice(self.bundles, loader.workers))
+            except BaseException:
+                self.close()  # a worker's error: it reaches the trainer at the boundary, with no worker left behind
+                raise
 
     @property
     def step_seconds(self) -> float | None:
@@ -454,9 +413,10 @@ class SegmentReader:
         state, current = self.state, self.state.segments[-1]
         if self.bundles is None:
             return
-        bundles = ([unpack(b) for b in bundle] for bundle in self.bundles)
+        bundles = ([unpack(b) for b in bundle] for bundle in itertools.chain(self.first_bundles, self.bundles))
+        self.first_bundles = []
         for batch in one_at_a_time(bundles, len(state.produced), state.next_worker):
-            worker = batch.pop(_WORKER)
+            worker = batch.pop(WORKER_KEY)
             current.batches += 1
             state.produced[worker] += 1
             state.next_worker = (worker + 1) % len(state.produced)
@@ -477,7 +437,7 @@ class SegmentReader:
         it is killed."""
         if self.bundles is not None:
             self.bundles._shutdown_workers()
-            self.bundles = None
+            self.bundles, self.first_bundles = None, []
 
 
 class DataSide(Protocol):
