@@ -371,10 +371,10 @@ def test_loader_workers_yield_the_cores_to_the_trainer(tmp_path):
 
 
 def test_loader_workers_leave_their_imports_out_of_garbage_collection(tmp_path):
-    """A loader worker holds torch's and transformers' objects (its forkserver imported them), and each full
-    collection of Python's garbage collector, which the chunk tokenizer's growing dictionary sets off every few
-    dozen batches, would walk all of them: measured, a third of a tokenizing worker's time. The worker freezes what
-    it starts with, so a collection walks only what the worker made."""
+    """A loader worker holds torch's and transformers' objects (its forkserver imported them), and a full collection
+    of Python's garbage collector, which the chunk tokenizer's growing dictionary set off within each new worker's
+    first 150 batches, walked all of them: measured, a quarter of a tokenizing worker's time there. The worker freezes
+    what it starts with, so a collection walks only what the worker made."""
     url = f"file://{tmp_path}/stream"
     write_stream(url, tmp_path, [40, 40])
     batches = iter(ShardLoader(url, 0, 1, 4, worker_collector, seed=0, loader_workers=2, shuffle_buffer=8))

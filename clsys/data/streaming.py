@@ -226,7 +226,7 @@ class RankStream(IterableDataset):
         if info is not None:
             # Out of the garbage collector's sight: what the worker starts with (the forkserver's torch and
             # transformers, ~220,000 objects, none of them garbage to be). A full collection walks every object it
-            # tracks (0.11-0.13 s of CPU here), and the chunk tokenizer's growing dictionary set one off within each
+            # tracks (0.11-0.13 s here), and the chunk tokenizer's growing dictionary set one off within each
             # new worker's first 150 batches: a quarter of their time. Frozen, a collection walks what the worker
             # made since (~70,000 objects, ~20 ms).
             gc.freeze()
@@ -341,17 +341,21 @@ class ShardLoader:
         # next epoch's first batch is out: stopping them meanwhile took the trainer's thread's interpreter lock, and
         # the first step after the boundary waited 1-6 ms for it.
         finished: SegmentReader | None = None
+
+        def stop_finished() -> None:
+            nonlocal finished
+            if finished is not None:
+                background.submit(finished.close)
+                finished = None
+
         try:
             while True:
                 for batch in reader:
                     yield batch
-                    if finished is not None:
-                        background.submit(finished.close)
-                        finished = None
+                    stop_finished()
                     if ahead is None and reader.half_read:
                         ahead = read_ahead()
-                if finished is not None:  # an epoch that had no batch to hand out
-                    background.submit(finished.close)
+                stop_finished()  # still there when this epoch had no batch to hand out
                 finished = reader
                 if ahead is None:  # an epoch resumed at its end
                     ahead = read_ahead()
@@ -414,7 +418,6 @@ class SegmentReader:
         if self.bundles is None:
             return
         bundles = ([unpack(b) for b in bundle] for bundle in itertools.chain(self.first_bundles, self.bundles))
-        self.first_bundles = []
         for batch in one_at_a_time(bundles, len(state.produced), state.next_worker):
             worker = batch.pop(WORKER_KEY)
             current.batches += 1
@@ -437,7 +440,7 @@ class SegmentReader:
         it is killed."""
         if self.bundles is not None:
             self.bundles._shutdown_workers()
-            self.bundles, self.first_bundles = None, []
+            self.bundles = None
 
 
 class DataSide(Protocol):
