@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from clsys.storage.lease import MAX_TTL_S, is_ttl
+
 
 class ConfigError(ValueError):
     """A bad recipe or override; the message names the key (and the file)."""
@@ -152,9 +154,14 @@ class EvalConfig:
     xling_articles: str = "24:48"  # XQuAD articles evaluated (0:24 build the bundled CLIR fixtures)
     tatoeba: list[str] = field(default_factory=list)  # bitext retrieval sets, e.g. [deu-eng]
     rerank_top: int = 10  # re-rank this many bi-encoder candidates with the objective's scorer (0 = off)
-    # Best checkpoint: the evaluation metric that picks it (sts_dev = the sts_dev set's Spearman, or a
-    # logged eval metric such as xquad_en-de_mrr@10; "" = export the last checkpoint), and its direction.
-    select: str = "sts_dev"  # the eval metric that picks the best checkpoint (sts_dev or a logged one); "" = the last
+    # a BEIR/MTEB folder (corpus.jsonl, queries.jsonl, qrels/) or a bundled one (xquad-en, xquad-de): nDCG@10,
+    # MRR@10, Recall@100 logged as <folder name>_ndcg@10, ...; "" = off
+    retrieval_dev: str = ""
+    retrieval_split: str = "dev"  # eval.retrieval_dev's qrels split (qrels/<split>.tsv); dev: selection never sees test
+    # Best checkpoint: the evaluation metric that picks it (sts_dev = the sts_dev set's Spearman, retrieval_dev =
+    # the retrieval_dev set's nDCG@10, or a logged eval metric such as xquad_en-de_mrr@10; "" = export the last
+    # checkpoint), and its direction.
+    select: str = "sts_dev"  # the best checkpoint's eval metric: sts_dev, retrieval_dev or a logged one; "" = the last
     select_mode: Literal["max", "min"] = "max"  # max or min: which direction of eval.select is better
 
 
@@ -256,12 +263,16 @@ class Config:
             ("cluster.collective_timeout_s", self.cluster.collective_timeout_s > 0, "> 0"),
             ("cluster.group_shutdown_timeout_s", self.cluster.group_shutdown_timeout_s > 0, "> 0"),
             ("cluster.health_check_timeout_s", self.cluster.health_check_timeout_s > 0, "> 0"),
-            ("cluster.lease_ttl_s", self.cluster.lease_ttl_s >= 0, ">= 0 (0 = no lease)"),
+            ("cluster.lease_ttl_s", self.cluster.lease_ttl_s == 0 or is_ttl(self.cluster.lease_ttl_s),
+             f"0 (no lease) or a time-to-live in seconds, > 0 and <= {MAX_TTL_S:g} (not NaN or infinite)"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
             ("eval.select", self.eval.select in ("", "sts_dev") or bool(self.eval.sts_dev or self.eval.xling
-                                                                         or self.eval.tatoeba),
-             "'' or sts_dev when nothing is evaluated during training (eval.sts_dev, eval.xling, eval.tatoeba)"),
+                                                                         or self.eval.tatoeba or self.eval.retrieval_dev),
+             "'' or sts_dev when nothing is evaluated during training (eval.sts_dev, eval.xling, eval.tatoeba, "
+             "eval.retrieval_dev)"),
+            ("eval.select", self.eval.select != "retrieval_dev" or bool(self.eval.retrieval_dev),
+             "retrieval_dev only with eval.retrieval_dev set"),
             ("eval.xling_articles", re.fullmatch(r"\d*:\d*", self.eval.xling_articles) is not None,
              'an article range START:STOP, quoted in YAML ("24:48")'),
         ]

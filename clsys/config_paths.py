@@ -8,7 +8,7 @@ when one names nothing. No hub is asked: nothing is downloaded at run time.
 
 A value is read as, in this order:
 - a URL (``s3://``, ``file://``, ...) where the key takes one: kept;
-- a bundled name (a packaged model, an STS set, a Tatoeba pair): kept;
+- a bundled name (a packaged model, an STS set, a Tatoeba pair, a BEIR folder): kept;
 - a file or folder relative to the working folder, else to the folder holding the clsys package
   (recipes name bundled files as ``clsys/assets/...``, ``clsys/configs/models/...``): made absolute;
 - for ``model.name`` and ``model.tokenizer``, a Hugging Face hub id in this machine's cache: kept
@@ -45,6 +45,8 @@ def resolve_local_paths(cfg: Config) -> None:
         if getattr(cfg.eval, key):
             setattr(cfg.eval, key, _sts_set(f"eval.{key}", getattr(cfg.eval, key)))
     cfg.eval.tatoeba = [_tatoeba_pair(pair) for pair in cfg.eval.tatoeba]
+    if cfg.eval.retrieval_dev:
+        cfg.eval.retrieval_dev = _beir_folder(cfg.eval.retrieval_dev, cfg.eval.retrieval_split)
     for key in ("train", "dev", "test"):
         value = getattr(cfg.task, key)
         if value and "://" not in value:
@@ -124,3 +126,16 @@ def _tatoeba_pair(value: str) -> str:
         raise _names_nothing("eval.tatoeba", value, f"a bundled pair ({', '.join(bundled_tatoeba())}) (a path is "
                                                     f"{TATOEBA_PREFIX})")
     return found
+
+
+def _beir_folder(value: str, split: str) -> str:
+    from clsys.eval.beir import BEIR_ASSETS, bundled_beir
+
+    # A folder first, as clsys.eval.beir.resolve_beir reads one.
+    found = _existing(value, Path.is_dir)
+    if found is None and value not in bundled_beir():
+        raise _names_nothing("eval.retrieval_dev", value, f"a bundled set ({', '.join(bundled_beir())})")
+    qrels = Path(found or BEIR_ASSETS / value) / "qrels" / f"{split}.tsv"
+    if not qrels.is_file():  # checked here, before any worker starts, as the folder is
+        raise ConfigError(f"eval.retrieval_split: {qrels}: no such file (eval.retrieval_dev {value})")
+    return found or value

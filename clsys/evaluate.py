@@ -1,19 +1,21 @@
-"""Evaluation of a text encoder: semantic textual similarity (STS) and cross-lingual retrieval.
+"""Evaluation of a text encoder: semantic textual similarity (STS), cross-lingual retrieval and BEIR retrieval.
 
 An STS set is a list of sentence pairs with human similarity scores (0-5). The encoder's
 score for a pair is the cosine similarity of the two sentence embeddings; the result is
 the Spearman (and Pearson) correlation with the human scores, x 100, as papers report it.
 
 The scoring itself lives in the evaluation room, ``clsys/eval/``: STS in ``clsys.eval.sts`` (the trainer calls
-it on rank 0 for dev evaluation), cross-lingual retrieval (XQuAD, Tatoeba) in ``clsys.eval.retrieval``; this
-CLI runs both kinds. STS files come in several layouts, and a folder is a SentEval year or a suite of sets
-whose average is reported as SimCSE does (``clsys.eval.sts_data``).
+it on rank 0 for dev evaluation), cross-lingual retrieval (XQuAD, Tatoeba) in ``clsys.eval.retrieval``, retrieval
+over a BEIR / MTEB folder (nDCG@10, MRR@10, Recall@100) in ``clsys.eval.beir``; this CLI runs every kind. STS
+files come in several layouts, and a folder is a SentEval year or a suite of sets whose average is reported as
+SimCSE does (``clsys.eval.sts_data``).
 
 CLI:
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --sts stsb-en-test,korsts-test --pooling cls,mean
     python -m clsys.evaluate --model runs/quickstart/export --sts path/to/senteval/downstream  # its own pooling
     python -m clsys.evaluate --model all-MiniLM-L6-v2 --xling en-de de-en --articles 24:48 \
         --tatoeba deu-eng --pooling mean
+    python -m clsys.evaluate --model runs/quickstart/export --retrieval xquad-en path/to/scifact
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from clsys.eval.beir import BeirSet, bundled_beir, evaluate_beir, load_beir, resolve_beir
 from clsys.eval.sts import evaluate_sts
 from clsys.model.encoder import POOLINGS, load_encoder, load_tokenizer
 from clsys.model.loading import resolve_model_path
@@ -58,14 +61,22 @@ def _read_sts(spec: str, args: argparse.Namespace) -> list[StsSet]:
     return suite.sets
 
 
+def _read_beir(spec: str, args: argparse.Namespace) -> list[BeirSet]:
+    data = load_beir(resolve_beir(spec), args.retrieval_split or "test")
+    if data.note:
+        print(f"{spec}: {data.note}", file=sys.stderr)
+    return [data]
+
+
 # Evaluation kinds: CLI option -> (read the data sets one value names, score one set). The reader
-# also gets the parsed arguments, for options that qualify every set of its kind (--articles). A
+# also gets the parsed arguments, for options that qualify every set of its kind (--articles, --retrieval-split). A
 # value naming several sets (an STS folder) also gets their average. Another kind adds an entry
 # here and its option in parse_args.
 EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], list[Any]], Callable[..., dict[str, Any]]]] = {
     "sts": (_read_sts, evaluate_sts),
     "xling": (lambda spec, args: [_load_xling(spec, args)], evaluate_retrieval),
     "tatoeba": (lambda spec, args: [load_tatoeba(spec)], evaluate_bitext),
+    "retrieval": (_read_beir, evaluate_beir),
 }
 
 
@@ -85,6 +96,21 @@ def folder_pooling(model_dir: str) -> str | None:
     return modes[0] if len(modes) == 1 and set(after) <= {"Normalize"} else None
 
 
+def folder_prompts(model_dir: str) -> tuple[str, str]:
+    """The (query, passage) prefixes a sentence-transformers folder declares in ``config_sentence_transformers.json``
+    ``prompts``, chosen as sentence-transformers' ``encode_query`` and ``encode_document`` choose: ``query`` for
+    queries, the first of ``document``, ``passage``, ``corpus`` for documents, else the ``default_prompt_name``'s
+    prompt; "" where there is none (a clsys export declares none)."""
+    try:
+        config = json.loads((Path(model_dir) / "config_sentence_transformers.json").read_text())
+        prompts = config.get("prompts") or {}
+        default = prompts.get(config.get("default_prompt_name") or "", "")
+        passage = next((prompts[name] for name in ("document", "passage", "corpus") if name in prompts), default)
+        return str(prompts.get("query", default)), str(passage)
+    except (OSError, ValueError, AttributeError):  # no such file, not JSON, not a mapping
+        return "", ""
+
+
 def default_max_length(model_dir: str, model: nn.Module) -> int:
     """The model's own sentence-transformers ``max_seq_length`` if it has one, else its position limit."""
     st_config = Path(model_dir) / "sentence_bert_config.json"
@@ -95,7 +121,8 @@ def default_max_length(model_dir: str, model: nn.Module) -> int:
 
 # Column headers: the short names papers use; other metrics are shown capitalised ("Spearman").
 LABELS = {"spearman_mean": "Spearman-mean", "spearman_wmean": "Spearman-wmean", "mrr@10": "MRR@10",
-          "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx"}
+          "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx",
+          "ndcg@10": "nDCG@10", "recall@100": "R@100"}
 
 
 def _label(metric: str) -> str:
@@ -139,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     p.add_argument("--sts", nargs="+", default=[], metavar="SET",
                    help=f"STS files, folders (a SentEval year, or a suite: each set and their average) or "
                         f"bundled sets ({', '.join(bundled_sts())}); "
-                        "default stsb-en-test unless --xling or --tatoeba is given")
+                        "default stsb-en-test unless --xling, --tatoeba or --retrieval is given")
     p.add_argument("--xling", nargs="+", default=[], metavar="Q-P",
                    help="XQuAD retrieval of paragraphs in language P for questions in language Q, e.g. en-de "
                         f"(bundled: {', '.join(bundled_xquad())})")
@@ -153,6 +180,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     p.add_argument("--rerank-top", type=int, default=20, help="bi-encoder top paragraphs to re-rank (default 20)")
     p.add_argument("--tatoeba", nargs="+", default=[], metavar="XXX-eng",
                    help="Tatoeba bitext retrieval: bundled pairs (deu-eng, ...) or path prefixes DIR/tatoeba.xxx-eng")
+    p.add_argument("--retrieval", nargs="+", default=[], metavar="FOLDER",
+                   help="retrieval over BEIR / MTEB folders (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) or "
+                        f"bundled ones ({', '.join(bundled_beir())}): nDCG@10, MRR@10, Recall@100")
+    p.add_argument("--retrieval-split", default=None, metavar="SPLIT",
+                   help="the --retrieval qrels split, qrels/SPLIT.tsv (default test)")
+    p.add_argument("--query-prefix", default=None,
+                   help="text put before each --retrieval query (default: the model folder's "
+                        "config_sentence_transformers.json prompt for queries, else none)")
+    p.add_argument("--passage-prefix", default=None,
+                   help="text put before each --retrieval document (default: the model folder's prompt for "
+                        "documents, else none)")
+    p.add_argument("--ignore-identical-ids", action="store_true", default=None,
+                   help="leave each --retrieval query's own id out of its ranking, as BEIR does by default "
+                        "and MTEB for ArguAna, Quora, ... (default: keep it, as MTEB does by default)")
     p.add_argument("--pooling", default=None,
                    help=f"comma list of {', '.join(POOLINGS)} (default: the pooling the model folder's "
                         "1_Pooling/config.json declares, as a clsys export's does)")
@@ -178,9 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     specs = {kind: [s for value in getattr(args, kind) for s in _split(value)] for kind in EVALUATIONS}
     if not any(specs.values()):
         specs["sts"] = ["stsb-en-test"]
-    for option, value in (("--xquad-dir", args.xquad_dir), ("--articles", args.articles), ("--rerank", args.rerank)):
-        if value is not None and not specs["xling"]:
-            parser.error(f"{option} qualifies --xling retrieval: give --xling as well")
+    qualifiers = {"xling": ("--xquad-dir", "--articles", "--rerank"),
+                  "retrieval": ("--retrieval-split", "--query-prefix", "--passage-prefix", "--ignore-identical-ids")}
+    for kind, options in qualifiers.items():
+        for option in options:
+            if getattr(args, option[2:].replace("-", "_")) is not None and not specs[kind]:
+                parser.error(f"{option} qualifies --{kind}: give --{kind} as well")
     if args.rerank_top < 1:
         parser.error(f"--rerank-top must be at least 1, not {args.rerank_top}")
     # Read all data before loading the model, so that a typo fails in a second, not after a minute.
@@ -208,7 +252,12 @@ def main(argv: list[str] | None = None) -> None:
             reranker = hf_reranker(reranker_path)
         except (OSError, ValueError) as e:
             parser.error(f"cannot load reranker '{reranker_path}': {str(e).splitlines()[0]}")
-    options = {"xling": {"reranker": reranker, "rerank_top": args.rerank_top}}
+    query_prefix, passage_prefix = folder_prompts(path)
+    query_prefix = query_prefix if args.query_prefix is None else args.query_prefix
+    passage_prefix = passage_prefix if args.passage_prefix is None else args.passage_prefix
+    options = {"xling": {"reranker": reranker, "rerank_top": args.rerank_top},
+               "retrieval": {"query_prefix": query_prefix, "passage_prefix": passage_prefix,
+                             "ignore_identical_ids": bool(args.ignore_identical_ids)}}
 
     rows = []
     for kind, spec, data_sets in jobs:
@@ -226,7 +275,11 @@ def main(argv: list[str] | None = None) -> None:
         settings["xquad_articles"] = args.articles or "all"
     if reranker is not None:
         settings |= {"reranker": reranker_path, "rerank_top": args.rerank_top}
-    print(", ".join(f"{k} {v}" for k, v in settings.items()))
+    if specs["retrieval"]:
+        settings |= {"retrieval_split": args.retrieval_split or "test", "query_prefix": query_prefix,
+                     "passage_prefix": passage_prefix, "ignore_identical_ids": bool(args.ignore_identical_ids)}
+    # Prefixes quoted: their spaces matter.
+    print(", ".join(f"{k} {json.dumps(v) if k.endswith('_prefix') else v}" for k, v in settings.items()))
     # One table per kind: their metrics differ.
     kinds = dict.fromkeys(row["kind"] for row in rows)
     print("\n\n".join(format_table([row for row in rows if row["kind"] == kind]) for kind in kinds))

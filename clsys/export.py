@@ -9,8 +9,9 @@ full fp32 weights from the per-rank shards. ``--checkpoint`` is ``best`` or ``la
 run folder (its best checkpoint when ``eval.select`` recorded one, else its newest complete one).
 The choice is printed and recorded in the folder's ``clsys_export.json``.
 
-``--out`` is replaced only when it is a clsys export (or an empty folder, or nothing yet): the export
-is built in a temporary folder and published (``publish``) once whole.
+``--out`` is replaced only when it is a clsys export as it was written, every file it holds its own (or an
+empty folder, or nothing yet): the export is built in a temporary folder and published (``publish``) once
+whole, its SHA256SUMS sealed in its COMPLETE.
 """
 from __future__ import annotations
 
@@ -22,15 +23,19 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
 from clsys import storage
 from clsys.storage import integrity
-from clsys.engine.checkpoint import latest_checkpoint, listed_apart, required_files, weights_only_loads
+from clsys.storage.integrity import SUMS
+from clsys.engine.checkpoint import (REQUIRED_FILES, checked_state, latest_checkpoint, listed_apart,
+                                     missing_rank_files, weights_only_loads)
 from clsys.engine.selection import BEST_RECORD, read_best
-from clsys.model.folder import (RECORD, ExportSpec, check_replaceable, publish, source_max_seq_length,
-                                write_model, write_reranker)
+from clsys.model.folder import (COUNT, INTEGER, NUMBER, POSITIVE, RECORD, TEXT, CheckpointError, ExportSpec,
+                                check_replaceable, checked_record, publish, source_max_seq_length, write_model,
+                                write_reranker)
 from clsys.model.card import write_card
 
 
@@ -61,20 +66,32 @@ def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str
     return latest, "latest" if explicit else "latest (no best checkpoint recorded)"
 
 
-def checkpoint_weights(folder: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights of the objective in a downloaded checkpoint ``folder``: gathered from the ZeRO
-    partitions (stages 1-3), or, at ZeRO stage 0, which writes no partitions, the module's own state."""
+def checkpoint_weights(folder: str, url: str | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the objective in a downloaded checkpoint ``folder`` (of ``url``, which errors
+    name): gathered from the ZeRO partitions (stages 1-3), or, at ZeRO stage 0, which writes no partitions,
+    the module's own state. A file that holds more than weights is refused (``weights_only_loads``)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     ds = os.path.join(folder, "ds")
-    if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
-        # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
-        # nothing the export's own line does not; errors still raise.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                weights_only_loads():
-            return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
-    saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
+    with weights_only_loads(folder, url or folder):
+        if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
+            # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
+            # nothing the export's own line does not; errors still raise.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
+        saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu")
     return {name: tensor.float() for name, tensor in saved["module"].items()}
+
+
+# The fields of clsys_state.json that export reads beyond resume's (clsys.engine.checkpoint.checked_state;
+# ExportSpec.from_meta checks its own): the record's, and those of the config the model card shows.
+EXPORT_FIELDS = {
+    "objective": TEXT, "config.model.name": TEXT, "config.model.init": TEXT, "config.train.name": TEXT,
+    "config.train.steps": COUNT, "config.train.batch_size": POSITIVE, "config.train.precision": TEXT,
+    "config.train.seed": INTEGER, "config.cluster.num_workers": POSITIVE, "config.data.url": TEXT,
+    "config.data.max_length": POSITIVE, "config.optim.lr": NUMBER, "config.optim.schedule": TEXT,
+    "config.optim.warmup_steps": COUNT, "config.optim.weight_decay": NUMBER,
+}
 
 
 def check_checkpoint(url: str, local: str, meta: dict) -> None:
@@ -82,8 +99,11 @@ def check_checkpoint(url: str, local: str, meta: dict) -> None:
     downloaded whole to ``local``, fails the checks resume makes (``clsys.engine.checkpoint``;
     checkpoints written before clsys recorded checksums are not checked)."""
     try:
-        integrity.check_folder(local, name=url, recorded="sums" in meta, listed_apart=listed_apart,
-                               required=required_files(meta))
+        if integrity.check_folder(local, name=url, recorded="sums" in meta, listed_apart=listed_apart,
+                                  required=REQUIRED_FILES):
+            sums = integrity.parse_sums(Path(local, SUMS).read_bytes(), f"{url}/{SUMS}")  # checked just now
+            if missing := missing_rank_files(meta, sums):
+                raise integrity.IntegrityError(f"{url}: files differ from {SUMS}: " + "; ".join(missing))
     except integrity.IntegrityError as err:
         raise integrity.IntegrityError(f"damaged checkpoint {err} (export another one: --checkpoint <step folder>)"
                                        ) from None
@@ -100,27 +120,29 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
     try:
         ckpt = os.path.join(work, "ckpt")
         storage.download_dir(url, ckpt)
-        meta = storage.read_json(os.path.join(ckpt, "clsys_state.json"))
-        check_checkpoint(url, ckpt, meta)
-        state = checkpoint_weights(ckpt)
+        state_url = storage.join(url, "clsys_state.json")
+        meta = checked_state(storage.parse_json(storage.read_bytes(os.path.join(ckpt, "clsys_state.json")), state_url),
+                             state_url)
+        check_checkpoint(url, ckpt, meta)  # what resume reads checked, the checksums next: a change is damage
+        checked_record(meta, EXPORT_FIELDS, state_url)
+        spec = ExportSpec.from_meta(meta, state_url)
+        state = checkpoint_weights(ckpt, url)
         hf_dir = os.path.join(ckpt, "hf")
         config = AutoConfig.from_pretrained(hf_dir)
         folder = os.path.join(work, "out")
         base_model = meta["config"]["model"]["name"]
-        spec = ExportSpec.from_meta(meta)
         weights = spec.encoder_weights(state)
         pooler = write_model(folder, weights, config, hf_dir, spec.pooling,
                              source_max_seq_length(base_model, config), url,
                              base_model if meta["config"]["model"]["init"] == "pretrained" else "")
         if spec.reranker_map:
             write_reranker(os.path.join(folder, "reranker"), weights, state, spec.reranker_map, config, hf_dir)
-        record = {"checkpoint": url, "chosen": chosen, "step": meta["step"], "objective": meta["objective"],
-                  "pooling": spec.pooling, "pooler": pooler}
+        # The record is published with the model: the checkpoint's URL without its secrets.
+        record = {"checkpoint": storage.redact(url), "chosen": chosen, "step": meta["step"],
+                  "objective": meta["objective"], "pooling": spec.pooling, "pooler": pooler}
         with open(os.path.join(folder, RECORD), "w") as f:
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])
-        # The model card is left out: it is meant to be edited (evaluation tables, a hub's metadata).
-        integrity.write_folder_sums(folder, skip=lambda rel: rel == integrity.MODEL_CARD)
         publish(folder, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -138,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
-    except (OSError, RuntimeError, storage.StorageError, integrity.IntegrityError, KeyError) as err:
+    except (OSError, RuntimeError, storage.StorageError, integrity.IntegrityError, CheckpointError, KeyError) as err:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     print(storage.redact(f"exported {used} ({chosen}) -> {args.out}"))

@@ -61,7 +61,7 @@ def resolve_resume(cfg: Config, run: str) -> str | None:
 
 def check_data(cfg: Config) -> str:
     """Fail in the driver, before any worker starts, when the shards cannot feed this config."""
-    from clsys.data.pretokenized import check_stream_tokenizer
+    from clsys.data.pretokenized import check_stream_tokenizer, refuse_unvouched_ids
     from clsys.shards.reader import load_shards
     from clsys.data.epoch_layout import plan_epoch
     from clsys.model.encoder import load_tokenizer
@@ -71,13 +71,17 @@ def check_data(cfg: Config) -> str:
     objective = OBJECTIVES[cfg.objective.name]
     streams = [storage.join(cfg.data.url, name) for name in objective.streams(cfg)]
     for stream in streams:
+        shards = load_shards(stream)
         try:
-            plan_epoch(load_shards(stream), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
-                       cfg.micro_batch)
+            plan_epoch(shards, 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers, cfg.micro_batch)
         except ValueError as err:
             raise ValueError(f"{stream}: {err}") from None
+        if not objective.reads_ids(cfg):
+            continue
         recorded = read_manifest(stream).get("tokenizer")
-        if recorded is not None and objective.reads_ids(cfg):
+        if recorded is None:
+            refuse_unvouched_ids(stream, shards[0])
+        else:
             # Loaded only here: a pre-tokenized stream's ids must be the ones the training tokenizer gives.
             name = cfg.model.tokenizer or cfg.model.name
             check_stream_tokenizer(stream, recorded, name, load_tokenizer(name), cfg.data.max_length)
@@ -220,11 +224,12 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         return EXIT_PREEMPTED
 
     from clsys.export import export
+    from clsys.model.folder import CheckpointError
 
     exported = storage.join(run, "export")
     try:
         used, chosen = export(run, exported)
-    except (integrity.IntegrityError, storage.StorageError, OSError) as err:
+    except (integrity.IntegrityError, storage.StorageError, CheckpointError, OSError) as err:
         print(f"error: training finished, but the export failed: {storage.redact(str(err))}", file=sys.stderr)
         return 1
     print(storage.redact(f"[clsys] exported {used} ({chosen})"), flush=True)

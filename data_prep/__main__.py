@@ -1,18 +1,19 @@
 """``python -m data_prep <command>``: one subcommand per corpus/stage.
 
 Each command module exposes ``add_arguments(parser)`` and ``main(args) -> exit code``; adding a
-stage (``align``, ``manifest``, ``tokenizer``, ``tokenize``, ``triplets``) means adding one line to ``COMMANDS``.
+stage (``align``, ``manifest``, ``pairs``, ``tokenizer``, ``tokenize``, ``triplets``) means adding one line to ``COMMANDS``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from data_prep import __version__, align, manifest, pretokenize, tokenizer, triplets, wiki
+from data_prep import __version__, align, manifest, pairs, pretokenize, tokenizer, triplets, wiki
 
 COMMANDS = {
     "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),
     "triplets": (triplets, "NLI data (CSV/TSV/JSONL) -> (anchor, positive, negative) shards for supervised SimCSE"),
+    "pairs": (pairs, "(query, positive, negatives) data (JSONL, CSV/TSV, Parquet, datasets folders) -> a stream per source"),
     "align": (align, "MediaWiki dumps + langlinks -> aligned cross-language section pairs for CLIR pretraining"),
     "tokenizer": (tokenizer, "sentences stream(s) -> language-balanced SentencePiece model + Hugging Face tokenizer"),
     "tokenize": (pretokenize, "a stream -> the same stream with token ids, so training collates without tokenizing"),

@@ -364,6 +364,9 @@ def main(args: argparse.Namespace) -> int:
         storage.check_bucket(args.out)
         dumps, langlinks = _open_inputs(args)
         pairs = _pairs(args.pairs, list(dumps))
+        inputs = [path for _, path in args.dumps + args.langlinks]
+        if problem := cli.out_problem(args.out, [_pair_url(args.out, a, b) for a, b in pairs], inputs):
+            raise ValueError(problem)
         for a, b in pairs:
             if a not in langlinks and b not in langlinks:
                 raise ValueError(f"--pairs {a}-{b}: needs --langlinks for {a} or {b}")
@@ -385,10 +388,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_url(out: str, a_lang: str, b_lang: str) -> str:
+    """The stream of the pair A-B."""
+    return storage.join(out, "clir", f"{a_lang}-{b_lang}")
+
+
 def _write_pair(args, tmp: str, job: AlignJob, related: dict, a_lang: str, b_lang: str, counts: Counter,
                 dropped: Counter, aligned: list) -> tuple:
     pair = f"{a_lang}-{b_lang}"
-    url = storage.join(args.out, "clir", pair)
+    url = _pair_url(args.out, a_lang, b_lang)
     writer = ShardWriter(url, tmp, int(args.shard_size_mb * 2**20), previous_shas(url))
     methods = Counter(dict.fromkeys(METHODS, 0))
     for a, b, m in aligned:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 
 from clsys import storage
 
 
-def positive(typ, allow_zero: bool = False):
-    """An argparse type: a number of type ``typ`` that must be > 0 (>= 0 with ``allow_zero``)."""
+def positive(typ, allow_zero: bool = False, most: int | None = None):
+    """An argparse type: a number of type ``typ`` that must be > 0 (>= 0 with ``allow_zero``), and at most
+    ``most`` where given."""
     def parse(value: str):
         try:
             v = typ(value)
@@ -17,8 +19,26 @@ def positive(typ, allow_zero: bool = False):
         if v < 0 or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} "
                                              f"{typ.__name__}, got {value!r}")
+        if most is not None and v > most:
+            raise argparse.ArgumentTypeError(f"expected at most {most:,}, got {value!r}")
         return v
     return parse
+
+
+def out_problem(out: str, writes: Iterable[str], reads: Iterable[str]) -> str | None:
+    """Why a command cannot write to ``out``: a folder it would write there (``writes``) is, holds or lies inside
+    something it reads (``reads``), however either is spelled (``storage.overlaps``); None when they are apart.
+
+    A stream's writer replaces the shards and deletes the manifest of its folder as it goes: writing onto an
+    input would replace what is still to be read, and a failure half-way would leave neither stream."""
+    reads = list(reads)
+    for written in writes:
+        for read in reads:
+            if storage.overlaps(written, read):
+                what = "it" if written == out else f"it writes {written}, which"
+                return (f"--out {out}: {what} is, holds or lies inside the input {read}; writing there would "
+                        f"replace what is being read: choose an --out apart from every input")
+    return None
 
 
 def fail(command: str, message: str, code: int = 2) -> int:

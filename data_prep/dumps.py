@@ -4,6 +4,12 @@
 multi-GB dump never sits in memory, and it knows at every moment how many *input* bytes it has
 consumed: that is the offset reported when a dump turns out to be truncated or corrupt.
 
+Memory stays bounded on a hostile dump too. Each decompress call returns ``OUT_BYTES`` at most: a bz2 "bomb"
+(611 bytes that decompress to 600 MiB) is read a piece at a time. A page's wikitext may take at most
+``MAX_PAGE_BYTES``, MediaWiki's own limit on an article; a longer one is skipped (``Page.too_long``). Its
+text is never held whole: where ``MAX_UNMARKED_BYTES`` reach the parser without an element starting or ending,
+the rest of the page is skipped unparsed, and the pages after it are parsed afresh.
+
 A Wikimedia *multistream* dump with its index is read by block instead: the index gives the byte
 offset of each bz2 stream of 100 pages (``index_blocks``, checked by ``check_index``), and
 ``BlockReader`` decompresses and parses one such block with the same ``DumpReader`` code. Dumps and
@@ -19,7 +25,7 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator, Iterator
 from urllib.parse import urlparse
 from xml.parsers import expat
 
@@ -29,6 +35,16 @@ from data_prep.wikitext import CATEGORY_PREFIXES, MEDIA_PREFIXES
 
 
 CHUNK_BYTES = 1 << 16  # small enough that a fault is located to within 64 KiB of input
+OUT_BYTES = 1 << 20  # the most one decompress call returns
+# MediaWiki's limit on an article's wikitext ($wgMaxArticleSize, 2048 KiB by default), in bytes of UTF-8: no wiki
+# keeps a longer revision, so a longer text is not an article's.
+MAX_PAGE_BYTES = 2048 * 1024
+# The most XML bytes the parser is given without an element starting or ending: a text at MAX_PAGE_BYTES with
+# every byte escaped (MediaWiki writes '"' as "&quot;", 6 bytes). More is a page too long, skipped unparsed.
+MAX_UNMARKED_BYTES = 6 * MAX_PAGE_BYTES
+# The most the header stream (the <siteinfo>) or the closing one of a multistream dump may hold: a few KiB.
+MAX_SMALL_STREAM_BYTES = 1 << 24
+_PAGE_END = b"</page>"
 
 # Wikimedia project suffixes of a dbname ("enwiki", "dewiktionary", "zh_yuewiki") → language prefix.
 _DBNAME_SUFFIXES = ("wiktionary", "wikibooks", "wikinews", "wikiquote", "wikisource", "wikiversity",
@@ -89,6 +105,7 @@ class Page:
     text: str
     redirect: bool
     redirect_target: str | None = None  # the <redirect title="..."/> of a redirect page
+    too_long: bool = False  # its text is longer than MAX_PAGE_BYTES: not kept (``text`` is empty)
 
 
 def _local(tag: str) -> str:
@@ -140,6 +157,18 @@ class _PrologCheck:
             self.done = True
 
 
+def _inflate(dec: bz2.BZ2Decompressor, data: bytes) -> Iterator[bytes]:
+    """What ``dec`` makes of ``data``, ``OUT_BYTES`` at most a piece, up to its stream's end (what follows the end
+    is left in ``dec.unused_data``). Raises what ``dec`` raises on corrupt data (OSError, EOFError)."""
+    out = dec.decompress(data, OUT_BYTES)
+    while True:
+        if out:
+            yield out
+        if dec.eof or dec.needs_input:
+            return
+        out = dec.decompress(b"", OUT_BYTES)
+
+
 class DumpReader:
     """Streams the pages of one dump file (.xml, or .bz2 including multistream / concatenated bz2)."""
 
@@ -178,41 +207,64 @@ class DumpReader:
             dec, chunk = bz2.BZ2Decompressor(), head
             while chunk:
                 try:
-                    out = dec.decompress(chunk)
+                    yield from _inflate(dec, chunk)
                     # A multistream dump is many bz2 streams back to back: restart on each boundary.
                     while dec.eof and dec.unused_data:
                         rest, dec = dec.unused_data, bz2.BZ2Decompressor()
-                        out += dec.decompress(rest)
+                        yield from _inflate(dec, rest)
                 except (OSError, EOFError) as err:
                     raise TruncatedDump(f"corrupt bz2 data ({err})", self.bytes_read) from None
                 self.bytes_read += len(chunk)
-                if out:
-                    yield out
                 chunk = f.read(CHUNK_BYTES)
+                if chunk and dec.eof:  # a stream ended with the chunk: the next chunk starts the next stream
+                    dec = bz2.BZ2Decompressor()
             if not dec.eof:
                 raise TruncatedDump("bz2 stream ends before its end-of-stream marker (truncated file)",
                                     self.bytes_read)
 
     def _events(self) -> Iterator[tuple[str, ET.Element]]:
         """(event, element) pairs; checks that there is no DOCTYPE (``_PrologCheck``) and that the root is
-        ``<mediawiki>``."""
+        ``<mediawiki>``. Where ``MAX_UNMARKED_BYTES`` go by without an element starting or ending inside a page,
+        ("too_long", the page) instead: the rest of the page is skipped unparsed up to its ``</page>``, and the
+        pages after it come from a parser of their own, in a root of its own (its "start" event comes next)."""
         parser = ET.XMLPullParser(events=("start", "end"))
         prolog = _PrologCheck()
         root_seen = False
         n_bytes = 0
+        unmarked = 0  # bytes given to the parser since it last reported an element
+        page = None  # the page being read
+
+        def parsed() -> Iterator[tuple[str, ET.Element]]:
+            nonlocal root_seen, unmarked, page
+            for event, elem in parser.read_events():
+                unmarked = 0
+                name = _local(elem.tag)
+                if not root_seen:
+                    if name != "mediawiki":
+                        raise DumpError(f"XML root element is <{name}>, not <mediawiki>: not a MediaWiki XML dump")
+                    root_seen = True
+                if name == "page":
+                    page = elem if event == "start" else None
+                yield event, elem
+
+        chunks = self._raw_chunks()
         try:
-            for data in self._raw_chunks():
+            for data in chunks:
                 n_bytes += len(data)
                 if not prolog.done:
                     prolog.feed(data)
                 parser.feed(data)
-                for event, elem in parser.read_events():
-                    if not root_seen:
-                        if _local(elem.tag) != "mediawiki":
-                            raise DumpError(f"XML root element is <{_local(elem.tag)}>, not <mediawiki>: "
-                                            "not a MediaWiki XML dump")
-                        root_seen = True
-                    yield event, elem
+                unmarked += len(data)
+                yield from parsed()
+                if unmarked > MAX_UNMARKED_BYTES:
+                    if page is None:
+                        raise TruncatedDump(f"more than {MAX_UNMARKED_BYTES >> 20} MiB of XML without an element "
+                                            f"starting or ending, outside any page", self.bytes_read)
+                    yield "too_long", page
+                    parser, unmarked, page = ET.XMLPullParser(events=("start", "end")), 0, None
+                    parser.feed(b"<mediawiki>")
+                    parser.feed(self._after_page_end(chunks, data[1 - len(_PAGE_END):]))
+                    yield from parsed()
             if n_bytes == 0:
                 raise DumpError("the file decompresses to nothing")
             parser.close()
@@ -220,6 +272,16 @@ class DumpReader:
             if not root_seen:
                 raise DumpError(f"not an XML file ({err})") from None
             raise TruncatedDump(f"XML ends or breaks early ({err})", self.bytes_read) from None
+
+    def _after_page_end(self, chunks: Iterator[bytes], seen: bytes) -> bytes:
+        """What follows the next ``</page>`` in ``chunks``, whose bytes up to it are read and dropped; ``seen``: the
+        last bytes read before them. A page's text holds no "<" (it is escaped), so that is the page's end tag."""
+        for data in chunks:
+            data = seen + data
+            if (at := data.find(_PAGE_END)) >= 0:
+                return data[at + len(_PAGE_END):]
+            seen = data[1 - len(_PAGE_END):]
+        raise TruncatedDump(f"the dump ends inside a page longer than {MAX_PAGE_BYTES >> 20} MiB", self.bytes_read)
 
     def read_siteinfo(self) -> SiteInfo:
         """Read only the head of the file: validates it (``DumpError``) and returns its ``<siteinfo>``.
@@ -254,6 +316,10 @@ class DumpReader:
         """Every page, in file order. Raises ``TruncatedDump`` after the last complete page."""
         root = None
         for event, elem in self._events():
+            if event == "too_long":
+                yield self._page(elem, too_long=True)
+                root = None  # the pages after it are parsed in a root of their own
+                continue
             if root is None:
                 root = elem
             if event != "end":
@@ -267,7 +333,8 @@ class DumpReader:
                 root.clear()  # drop finished pages so memory stays flat
 
     @staticmethod
-    def _page(elem: ET.Element) -> Page:
+    def _page(elem: ET.Element, too_long: bool = False) -> Page:
+        """The page of a ``<page>`` element; ``too_long``: its text was skipped unparsed (the element ends there)."""
         title, ns, page_id, text, redirect, target = "", 0, 0, "", False, None
         for child in elem:
             name = _local(child.tag)
@@ -282,14 +349,20 @@ class DumpReader:
             elif name == "revision":  # history dumps hold many revisions: the last one is current
                 text = _child_text(child, "text") or ""
         redirect = redirect or text.lstrip()[:9].upper() == "#REDIRECT"
-        return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect, redirect_target=target)
+        # A character takes at most 4 bytes: only a text of more than a quarter of the limit is measured.
+        if too_long or (len(text) > MAX_PAGE_BYTES // 4 and len(text.encode()) > MAX_PAGE_BYTES):
+            text, too_long = "", True
+        return Page(page_id=page_id, title=title, ns=ns, text=text, redirect=redirect, redirect_target=target,
+                    too_long=too_long)
 
 
 def skip_reason(page: Page) -> str | None:
     """Why a page is not an article to keep (a ``skipped`` key), or None."""
     if page.redirect:
         return "redirect"
-    return "non_article" if page.ns != 0 else None
+    if page.ns != 0:
+        return "non_article"
+    return "page_too_long" if page.too_long else None
 
 
 # ----------------------------------------------------------------------------- multistream dumps and their index
@@ -310,14 +383,14 @@ class Block:
     next_offset: int | None = None  # where the next listed stream starts; None for the last one
 
 
-def read_bz2_stream(path: str, offset: int, end: int | None = None) -> tuple[bytes, int]:
-    """Decompress the one bz2 stream starting at byte ``offset``: (its data, the offset just past it).
-    ``end``: where it should end at the latest (reads from object storage ask for no more).
+def bz2_stream(path: str, offset: int, end: int | None = None) -> Generator[bytes, None, int]:
+    """The one bz2 stream starting at byte ``offset``, decompressed, ``OUT_BYTES`` at most a piece; returns the
+    offset just past it. ``end``: where it should end at the latest (reads from object storage ask for no more).
 
     A fault raises ``TruncatedDump`` at ``offset``: the whole stream is lost, so that is where the loss starts.
     A storage error (after ``clsys.storage``'s retries) raises ``StorageError``: the stream may be readable later.
     """
-    dec, parts, pos = bz2.BZ2Decompressor(), [], offset
+    dec, pos = bz2.BZ2Decompressor(), offset
     with storage.open_read(path, offset, end) as f:
         while not dec.eof:
             # Never past ``end``, local files included, so that a stream without its end-of-stream marker is
@@ -326,11 +399,28 @@ def read_bz2_stream(path: str, offset: int, end: int | None = None) -> tuple[byt
             if not chunk:
                 raise TruncatedDump("bz2 stream ends before its end-of-stream marker (truncated file)", offset)
             try:
-                parts.append(dec.decompress(chunk))
+                yield from _inflate(dec, chunk)
             except (OSError, EOFError) as err:
                 raise TruncatedDump(f"corrupt bz2 data ({err})", offset) from None
             pos += len(chunk)
-    return b"".join(parts), pos - len(dec.unused_data)
+    return pos - len(dec.unused_data)
+
+
+def read_bz2_stream(path: str, offset: int, end: int | None = None) -> tuple[bytes, int]:
+    """``bz2_stream`` whole: (its data, the offset just past it), for the streams of a few KiB, a multistream
+    dump's header and closing one. One that holds more than ``MAX_SMALL_STREAM_BYTES`` raises ``TruncatedDump``."""
+    parts, size = [], 0
+    with contextlib.closing(bz2_stream(path, offset, end)) as stream:
+        while True:
+            try:
+                part = next(stream)
+            except StopIteration as stop:
+                return b"".join(parts), stop.value
+            size += len(part)
+            if size > MAX_SMALL_STREAM_BYTES:
+                raise TruncatedDump(f"the bz2 stream holds more than {MAX_SMALL_STREAM_BYTES >> 20} MiB, where a "
+                                    f"dump's header or closing stream holds a few KiB", offset)
+            parts.append(part)
 
 
 class BlockReader(DumpReader):
@@ -344,9 +434,8 @@ class BlockReader(DumpReader):
 
     def _raw_chunks(self) -> Iterator[bytes]:
         self.bytes_read = self.block.offset  # a fault anywhere in the stream loses all of it
-        data, self.end = read_bz2_stream(self.path, self.block.offset, self.block.next_offset)
         yield b"<mediawiki>"
-        yield data
+        self.end = yield from bz2_stream(self.path, self.block.offset, self.block.next_offset)
         yield b"</mediawiki>"
 
 

@@ -4,7 +4,8 @@ Tools such as webdataset's ``TarWriter``, img2dataset or a Hugging Face export w
 samples (``key.txt``, ``key.jpg``, ``key.json``, …) but no clsys ``manifest.json``, which training needs
 for its epoch plan (samples per shard) and its integrity checks (size, sha256). This command reads
 every ``.tar``/``.tar.gz``/``.tgz`` directly under a folder, checks it the way training will (its name,
-its tar structure within the size limit, each sample's text member present and UTF-8) and writes the manifest:
+its tar structure within the size limit, each sample's text member present and UTF-8, no shard listed twice:
+a copy is one) and writes the manifest:
 
 - beside the shards (the default): shard names are file names, the folder is the stream;
 - elsewhere (``--out``, e.g. when the shards' bucket is read-only): shard names are absolute URLs.
@@ -13,6 +14,8 @@ The stream's name is its folder's (``sentences`` for SimCSE, SG and a retrieval 
 train with ``data.url`` = the folder's parent. Only the text member (``--text-member``) is ever read;
 other members (images, labels, other tools' json, pickles) are counted and skipped, never decoded.
 A bad shard stops the command, naming it and the reason, unless ``--skip-bad`` leaves it out (counted).
+clsys's own format 2 shards (blocks of records) are not indexed: a format 1 manifest would read each block as
+one sample; they are read with the manifest data_prep wrote with them.
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from clsys import storage
-from clsys.shards.reader import MAX_SHARD_BYTES, BadData, sample_members, untar_bytes
+from clsys.shards.names import clip
+from clsys.shards.reader import MAX_SHARD_BYTES, BadData, format2_block, read_stored, sample_members, untar_bytes
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from clsys.shards.manifest import FORMAT, MANIFEST, shard_name_problem, text_member_problem
+from clsys.shards.manifest import (FORMAT, MANIFEST, repeated_shard_problem, repeated_shards, shard_name_problem,
+                                   text_member_problem)
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -63,30 +68,35 @@ class ShardScan:
 
 
 def scan_shard(url: str, name: str, text_member: str, max_bytes: int) -> ShardScan:
-    """Check a shard as training will: the name the manifest lists it by, then (read whole) its tar
-    structure within ``max_bytes``, each sample's text present and UTF-8."""
+    """Check a shard as training will: the name the manifest lists it by, then (read whole, stored and
+    decompressed within ``max_bytes``) its tar structure, that it is not clsys's own format 2
+    (``format2_block``), and each sample's text present and UTF-8."""
     if problem := shard_name_problem(name):
-        return ShardScan(url, name, 0, error=f"name {name!r}: {problem}")
-    data = storage.read_bytes(url)
-    scan = ShardScan(url, name, len(data), hashlib.sha256(data).hexdigest())
+        return ShardScan(url, name, 0, error=f"name {clip(name)!r}: {problem}")
+    scan = ShardScan(url, name, 0)
     try:
+        data = read_stored(url, max_bytes)
+        scan.bytes, scan.sha256 = len(data), hashlib.sha256(data).hexdigest()
         tar = untar_bytes(url, data, max_bytes)
         samples = sample_members(tar, text_member, scan.members)
     except BadData as fault:
         scan.error = str(fault)
         return scan
+    if problem := format2_block(tar):
+        scan.error = problem
+        return scan
     scan.samples = len(samples)
     for key, members in samples:
         if text_member not in members:
             found = ", ".join(sorted({ext for ext in scan.members if ext})) or "none"
-            scan.error = (f"sample {key} has no .{text_member} member (the shard's members: {found}; "
+            scan.error = (f"sample {clip(key)} has no .{text_member} member (the shard's members: {clip(found)}; "
                           f"choose another with --text-member)")
             return scan
         offset, size = members[text_member]
         try:
             tar[offset:offset + size].decode("utf-8")
         except UnicodeDecodeError as err:
-            scan.error = f"sample {key}: its .{text_member} member is not UTF-8 ({err})"
+            scan.error = f"sample {clip(key)}: its .{text_member} member is not UTF-8 ({err})"
             return scan
     return scan
 
@@ -116,6 +126,10 @@ def main(args: argparse.Namespace) -> int:
     except StorageError as err:
         return cli.fail("manifest", str(err))
 
+    readable = [s for s in scans if not s.error]
+    entries = [{"name": s.name, "samples": s.samples, "sha256": s.sha256} for s in readable]
+    for i, j, how in repeated_shards(out, entries):
+        readable[j].error = repeated_shard_problem(entries, i, j, how)
     bad = [s for s in scans if s.error]
     for scan in bad:
         what = "skipped" if args.skip_bad else "bad shard"
@@ -138,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
         storage.write_json(storage.join(out, MANIFEST), manifest)
     except StorageError as err:
         return cli.fail("manifest", str(err))
-    others = ", ".join(f".{ext} {n}" for ext, n in sorted(members.items()) if ext != args.text_member)
+    others = clip(", ".join(f".{ext} {n}" for ext, n in sorted(members.items()) if ext != args.text_member))
     print(storage.redact(f"{manifest['samples']} samples in {len(good)} shards ({len(bad)} skipped), text from "
                          f".{args.text_member}{f' (skipped unread: {others})' if others else ''} in "
                          f"{time.time() - start:.1f}s -> {storage.join(out, MANIFEST)}; train with "

@@ -49,8 +49,6 @@ def main(args: argparse.Namespace) -> int:
     from clsys.model.encoder import load_tokenizer
 
     start = time.time()
-    if args.input.rstrip("/") == args.out.rstrip("/"):
-        return cli.fail("tokenize", f"--out {args.out}: must not be the input stream")
     try:
         storage.check_bucket(args.out)
         if not storage.exists(storage.join(args.input, MANIFEST)):
@@ -58,6 +56,9 @@ def main(args: argparse.Namespace) -> int:
                                         "or an unfinished one)")
         manifest = read_manifest(args.input)
         shards = load_shards(args.input)
+        # The shards too: a foreign stream's manifest may list them by URL, in another folder.
+        if problem := cli.out_problem(args.out, [args.out], [args.input, *(s.url for s in shards)]):
+            return cli.fail("tokenize", problem)
     except StorageError as err:
         return cli.fail("tokenize", str(err))
     try:

@@ -1,4 +1,4 @@
-"""Ray tasks in place of a process pool: ``data_prep wiki --ray``.
+"""Ray tasks in place of a process pool: ``data_prep wiki --ray`` (and ``data_prep pairs --ray``).
 
 ``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki_tasks.ordered_map`` uses, ``apply_async``,
 so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
@@ -77,9 +77,10 @@ class _Result:
 
 class RayPool:
     """Tasks on the Ray cluster at ``RAY_ADDRESS`` (as under ``ray job submit``), else on a local cluster of
-    ``cpus`` CPUs started on 127.0.0.1 for this run. ``slots``: the cluster's CPUs, one task each."""
+    ``cpus`` CPUs started on 127.0.0.1 for this run. ``slots``: the cluster's CPUs, one task each. ``command``:
+    the data_prep command its messages name."""
 
-    def __init__(self, cpus: int):
+    def __init__(self, cpus: int, command: str = "wiki"):
         env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
         # Under `ray job submit`, the job's runtime_env already sets its variables on every worker, and Ray
         # refuses a driver runtime_env that sets them again.
@@ -104,7 +105,7 @@ class RayPool:
         # yields, and those must be able to run however many streams are open.
         self._stream = ray.remote(num_cpus=0, **retries)(_stream_task)
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']}" if joining else "a local Ray cluster"
-        print(f"data_prep wiki: {self.slots} tasks at a time on {where}", file=sys.stderr, flush=True)
+        print(f"data_prep {command}: {self.slots} tasks at a time on {where}", file=sys.stderr, flush=True)
 
     def apply_async(self, fn, args: tuple) -> _Result:
         return _Result(self._remote.remote(fn, *args))

@@ -197,6 +197,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         storage.check_bucket(args.out)
         streams = [resolve_stream(url) for url in args.input]
+        if problem := cli.out_problem(args.out, [args.out], streams):
+            return cli.fail("tokenizer", problem)
         counts = count_languages(streams)
         if not counts:
             return cli.fail("tokenizer", f"{inputs}: no sentences")

@@ -170,6 +170,9 @@ def main(args: argparse.Namespace) -> int:
     start = time.time()
     try:
         storage.check_bucket(args.out)
+        url = storage.join(args.out, "triplets")
+        if problem := cli.out_problem(args.out, [url], args.input):
+            return cli.fail("triplets", problem)
         files = [NliFile(path) for path in args.input]  # every header checked before anything is written
         triplets, malformed, sources = Triplets(), [], []
         for nli in files:
@@ -185,7 +188,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"data_prep triplets: warning: ... {len(malformed) - 5} more malformed lines", file=sys.stderr)
         skipped = {**triplets.skipped(), "malformed": len(malformed)}
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
-            url = storage.join(args.out, "triplets")
             writer = ShardWriter(url, tmp, int(args.shard_size_mb * 2**20), previous_shas(url))
             for n, (anchor, positive, negative) in enumerate(triplets.complete()):
                 writer.write(f"nli-{n:09d}", anchor, {"anchor": anchor, "positive": positive, "negative": negative})

@@ -48,12 +48,13 @@ from data_prep.dumps import (BadIndex, DumpError, DumpReader, TruncatedDump, che
                              read_bz2_stream)
 from data_prep.ray_pool import RayPool
 from clsys.shards.manifest import previous_shas
+from clsys.shards.blocks import MAX_BLOCK_RECORDS
 from clsys.shards.writer import ShardWriter
 from data_prep.wiki_tasks import BlockTask, EncodedPage, ordered_map, process_batch, process_block, read_batches
 
 STREAMS = ("sentences", "documents")
-# The first four count pages, the last three sentences.
-SKIP_REASONS = ("redirect", "non_article", "duplicate", "empty", "too_short", "too_long", "markup")
+# The first five count pages (page_too_long: longer than MediaWiki keeps an article), the last three sentences.
+SKIP_REASONS = ("redirect", "non_article", "duplicate", "page_too_long", "empty", "too_short", "too_long", "markup")
 # What a folder or prefix given as --input contributes: Wikimedia's names ("…-pages-articles.xml.bz2",
 # "…-pages-articles1.xml-p1p41242.bz2") and plain exports ("export.xml"); indexes ("…-index.txt.bz2") are not dumps.
 DUMP_NAME = re.compile(r"\.xml(?:-p\d+p\d+[\w-]*)?(?:\.bz2)?$")
@@ -335,7 +336,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the records of each N MiB of a stream's text in a seeded shuffled order, so that "
                         "shards mix the sentences of many articles (0: article order; default: 64, ~450,000 "
                         "sentences, ~2x that in this process's memory)")
-    p.add_argument("--block-records", type=cli.positive(int), default=256, metavar="N",
+    p.add_argument("--block-records", type=cli.positive(int, most=MAX_BLOCK_RECORDS), default=256, metavar="N",
                    help="records (sentences, passages) per tar sample of the shards (format 2; default: 256)")
     p.add_argument("--compress", choices=("none", "gzip"), default="none",
                    help="gzip: shards as .tar.gz (gzip level 1), ~0.5x the text's bytes where plain shards are "
@@ -400,6 +401,10 @@ def main(args: argparse.Namespace) -> int:
         langs = list(dict.fromkeys(reader.lang for reader in readers))
         per_language = args.layout == "per-language" or (args.layout == "auto" and len(langs) > 1)
         folders = {lang: storage.join(args.out, lang) if per_language else args.out for lang in langs}
+        # The streams, not OUT: a dump beside them is never written over (nor listed again: not a dump's name).
+        streams = [storage.join(folder, name) for folder in dict.fromkeys(folders.values()) for name in STREAMS]
+        if problem := cli.out_problem(args.out, streams, [*inputs, *filter(None, indexes)]):
+            return cli.fail("wiki", problem)
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
             job = WikiJob(args, tmp, folders)
             job.run(readers, indexes)

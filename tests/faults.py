@@ -160,6 +160,16 @@ def sample_keys(run_dir: Path) -> dict[str, list[str]]:
             for rank in sorted((run_dir / "sample_keys").iterdir())}
 
 
+class RunsCodeWhenUnpickled:
+    """What a hostile checkpoint file holds: unpickling it runs code (here: creates the file ``marker``)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
 def flip_a_byte(url: str) -> None:
     """Damage a stored file at rest, as a bad disk or a stray write would: one bit of its middle byte."""
     data = bytearray(storage.read_bytes(url))

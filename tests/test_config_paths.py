@@ -22,8 +22,8 @@ def print_config(overrides: list[str], capsys) -> tuple[int, dict, str]:
 
 @pytest.fixture
 def user_folder(tmp_path, monkeypatch) -> Path:
-    """A user's working folder holding a model, a tokenizer, an STS set, a Tatoeba pair and task files,
-    the driver started in it."""
+    """A user's working folder holding a model, a tokenizer, an STS set, a Tatoeba pair, task files and a BEIR
+    folder with a dev split, the driver started in it."""
     for folder in ("models/tiny", "tok", "runs", "shards", "ckpt/step-00000002"):
         (tmp_path / folder).mkdir(parents=True)
     (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
@@ -32,6 +32,8 @@ def user_folder(tmp_path, monkeypatch) -> Path:
     (tmp_path / "bitext").mkdir()
     for lang in ("deu", "eng"):
         (tmp_path / "bitext" / f"tatoeba.deu-eng.{lang}").write_text("a\n")
+    (tmp_path / "beir" / "mine" / "qrels").mkdir(parents=True)
+    (tmp_path / "beir" / "mine" / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\n")
     (tmp_path / "task").mkdir()
     for split in ("train", "dev", "test"):
         (tmp_path / "task" / f"{split}.tsv").write_text("label\ttext\npos\tgood\n")
@@ -44,7 +46,7 @@ def test_relative_paths_are_absolute_in_the_resolved_config(user_folder, capsys)
         "model.name=models/tiny", "model.tokenizer=./tok", "eval.sts_dev=sets/dev.csv", "eval.sts_test=sets/dev.csv",
         "eval.tatoeba=[bitext/tatoeba.deu-eng, fra-eng]", "task.train=task/train.tsv", "task.dev=task/dev.tsv",
         "task.test=task/test.tsv", "data.url=shards", "train.run_root=runs", "corpus.url=shards",
-        "train.resume=ckpt/step-00000002"], capsys)
+        "train.resume=ckpt/step-00000002", "eval.retrieval_dev=beir/mine"], capsys)
     assert code == 0, err
     assert cfg["model"]["name"] == str(user_folder / "models" / "tiny")
     assert cfg["model"]["tokenizer"] == str(user_folder / "tok")
@@ -56,17 +58,20 @@ def test_relative_paths_are_absolute_in_the_resolved_config(user_folder, capsys)
     assert cfg["data"]["url"] == cfg["corpus"]["url"] == str(user_folder / "shards")
     assert cfg["train"]["run_root"] == str(user_folder / "runs")
     assert cfg["train"]["resume"] == str(user_folder / "ckpt" / "step-00000002")
+    assert cfg["eval"]["retrieval_dev"] == str(user_folder / "beir" / "mine")
 
 
 def test_names_and_urls_stay_as_given(user_folder, capsys):
     code, cfg, err = print_config(["model.name=all-MiniLM-L6-v2", "model.tokenizer=s3://bucket/tok",
                                    "eval.sts_dev=stsb-en-dev", "eval.sts_test=", "data.url=s3://bucket/shards",
-                                   "train.resume=latest", "task.train=s3://bucket/train.tsv"], capsys)
+                                   "train.resume=latest", "task.train=s3://bucket/train.tsv",
+                                   "eval.retrieval_dev=xquad-de"], capsys)
     assert code == 0, err
     assert (cfg["model"]["name"], cfg["model"]["tokenizer"]) == ("all-MiniLM-L6-v2", "s3://bucket/tok")
     assert (cfg["eval"]["sts_dev"], cfg["eval"]["sts_test"]) == ("stsb-en-dev", "")
     assert (cfg["data"]["url"], cfg["train"]["resume"], cfg["task"]["train"]) == (
         "s3://bucket/shards", "latest", "s3://bucket/train.tsv")
+    assert cfg["eval"]["retrieval_dev"] == "xquad-de"
 
 
 def test_a_path_into_the_clsys_checkout_works_from_any_folder(user_folder, capsys):
@@ -85,6 +90,7 @@ def test_a_path_into_the_clsys_checkout_works_from_any_folder(user_folder, capsy
     ("eval.sts_test=sets/missing.csv", "eval.sts_test"),
     ("eval.tatoeba=[bitext/tatoeba.fra-eng]", "eval.tatoeba"),
     ("task.dev=task/missing.tsv", "task.dev"),
+    ("eval.retrieval_dev=beir/missing", "eval.retrieval_dev"),
 ])
 def test_a_path_that_names_nothing_fails_naming_its_key(user_folder, capsys, override, key):
     code, _, err = print_config([override], capsys)
@@ -110,3 +116,12 @@ def test_a_hub_id_counts_only_when_it_is_in_the_cache(user_folder, capsys, monke
     assert cfg["model"]["name"] == "someorg/tiny-encoder"
     code, _, err = print_config(["model.name=someorg/other-encoder"], capsys)
     assert code == 2 and "model.name: 'someorg/other-encoder'" in err and "cache" in err
+
+
+def test_a_retrieval_dev_folder_without_the_split_fails_on_the_driver(user_folder, capsys):
+    """Training-time retrieval reads qrels/<eval.retrieval_split>.tsv (dev by default): a folder without it fails
+    before any worker starts, naming the file; a split that is there is taken."""
+    code, _, err = print_config(["eval.retrieval_dev=beir/mine", "eval.retrieval_split=test"], capsys)
+    assert code == 2 and f"eval.retrieval_split: {user_folder / 'beir' / 'mine' / 'qrels' / 'test.tsv'}: no such file" in err
+    code, cfg, err = print_config(["eval.retrieval_dev=xquad-en", "eval.retrieval_split=test"], capsys)
+    assert code == 0 and cfg["eval"]["retrieval_split"] == "test", err

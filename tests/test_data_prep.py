@@ -7,6 +7,7 @@ import itertools
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,7 @@ from clsys import storage
 from clsys.data.sentences import SplitStats, count_words, counted_sentences, pack_passages, split_sentences
 from clsys.shards.manifest import read_manifest
 from clsys.shards.reader import load_shards, read_shard
+from clsys.shards.writer import ShardWriter
 from data_prep.dumps import SiteInfo
 from data_prep.wikitext import WikitextCleaner
 
@@ -380,6 +382,54 @@ def test_unusable_input_exits_2(kind, tmp_path, sample_xml):
     assert result.returncode == 2, result.stderr
     assert str(path) in result.stderr and "error" in result.stderr and "Traceback" not in result.stderr
     assert not list(out.rglob("manifest.json"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _inputs_inside_their_output(command: str, tmp: Path, sample_xml: bytes) -> tuple[list[str], str, str]:
+    """(the command's arguments, its --out, one input) where an input lies in a folder the command writes to,
+    --out spelled otherwise than that input (file://, "/.", "//")."""
+    out = tmp / "out"
+    if command == "wiki":  # writes OUT/sentences and OUT/documents
+        dump = out / "sentences" / "enwiki-latest-pages-articles.xml"
+        dump.parent.mkdir(parents=True)
+        dump.write_bytes(small_dump(sample_xml, 0, 20))
+        return ["--input", str(dump)], f"{out}/.", str(dump)
+    if command == "align":  # writes OUT/clir/<A>-<B>
+        pair = out / "clir" / "en-de"
+        shutil.copytree(ROOT / "tests" / "data" / "clir", pair)
+        dumps = [f"{lang}={pair / f'{lang}wiki-20261101-pages-articles.xml.bz2'}" for lang in ("en", "de")]
+        links = pair / "enwiki-20261101-langlinks.sql.gz"
+        return ["--dumps", *dumps, "--langlinks", f"en={links}"], f"file://{out}", dumps[0][3:]
+    if command == "triplets":  # writes OUT/triplets
+        nli = out / "triplets" / "snli_dev.head150.csv"
+        nli.parent.mkdir(parents=True)
+        shutil.copy(ROOT / "tests" / "data" / "nli" / nli.name, nli)
+        return ["--input", str(nli)], f"{tmp}//out", str(nli)
+    # tokenizer: writes its files to OUT itself, here the folder holding the stream it reads
+    stream = out / "sentences"
+    writer = ShardWriter(str(stream), str(tmp), 1 << 20)
+    for i in range(120):  # sentencepiece trains on no fewer than 100
+        writer.write(f"en-1-{i:05d}", f"Sentence number {i} of the stream, in words.", {"lang": "en", "page_id": 1})
+    writer.close()
+    writer.write_manifest({"languages": ["en"]})
+    return ["--input", str(stream), "--vocab-size", "40"], f"file://{out}/", str(stream)
+
+
+@pytest.mark.parametrize("command", ["wiki", "align", "triplets", "tokenizer"])
+def test_no_command_writes_where_it_reads(command, tmp_path, sample_xml, capsys):
+    """An --out whose streams hold an input (or that is one), however spelled, is refused before anything is
+    written: a writer replaces the shards and deletes the manifest of the folder it writes to."""
+    from data_prep.__main__ import main as data_prep
+
+    args, out, an_input = _inputs_inside_their_output(command, tmp_path, sample_xml)
+    before = _files(tmp_path)
+    assert data_prep([command, *args, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"data_prep {command}: error: --out {out}: ") and an_input in err, err
+    assert _files(tmp_path) == before
 
 
 def test_s3_missing_bucket(s3_server, tmp_path):

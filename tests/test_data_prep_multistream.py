@@ -7,6 +7,7 @@ import bz2
 import html
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,14 +16,16 @@ from clsys.shards.manifest import read_manifest
 from test_data_prep import SAMPLE, STREAMS, read_stream, run_cli, sample_run, sample_xml  # noqa: F401 (fixtures)
 
 
-def write_multistream(xml: bytes, folder: Path, pages_per_block: int = 7) -> tuple[Path, Path, list[int]]:
+def write_multistream(xml: bytes, folder: Path, pages_per_block: int = 7,
+                      compress: Callable[[bytes], bytes] = bz2.compress) -> tuple[Path, Path, list[int]]:
     """The dump as Wikimedia writes a multistream one: a header stream (``<siteinfo>``), streams of
     ``pages_per_block`` pages, a closing stream; and its index (``OFFSET:PAGE_ID:TITLE`` per page, bz2).
-    Returns the dump, the index and the offset of each page stream."""
+    Each stream is ``compress``'s bz2 stream of its XML. Returns the dump, the index and the offset of each page
+    stream."""
     head, *pages = xml.split(b"  <page>")
     pages = [b"  <page>" + p for p in pages]
     pages[-1], footer = pages[-1].split(b"</mediawiki>")[0], b"</mediawiki>" + pages[-1].split(b"</mediawiki>")[1]
-    dump, index, offsets = bytearray(bz2.compress(head)), [], []
+    dump, index, offsets = bytearray(compress(head)), [], []
     for start in range(0, len(pages), pages_per_block):
         offsets.append(len(dump))
         block = pages[start:start + pages_per_block]
@@ -30,8 +33,8 @@ def write_multistream(xml: bytes, folder: Path, pages_per_block: int = 7) -> tup
             page_id = int(re.search(rb"<id>(\d+)</id>", page).group(1))  # the page's; revisions' ids come later
             title = html.unescape(re.search(rb"<title>(.*?)</title>", page).group(1).decode())
             index.append(f"{len(dump)}:{page_id}:{title}\n")
-        dump += bz2.compress(b"".join(block))
-    dump += bz2.compress(footer)
+        dump += compress(b"".join(block))
+    dump += compress(footer)
     dump_path, index_path = folder / "multi-pages-articles-multistream.xml.bz2", folder / "multi-index.txt.bz2"
     dump_path.write_bytes(bytes(dump))
     index_path.write_bytes(bz2.compress("".join(index).encode()))

@@ -1,11 +1,14 @@
-"""data_prep wiki --ray: a real local Ray cluster (2 CPUs, all on 127.0.0.1) that each run joins through
-RAY_ADDRESS, as under `ray job submit`; multistream dumps and their indexes in a real moto S3 server
-(127.0.0.1), read by the tasks with ranged reads; shards written to it. The output must be the one-process
-run's, byte for byte."""
+"""data_prep wiki --ray (and, last, data_prep pairs --ray): a real local Ray cluster (2 CPUs, all on 127.0.0.1)
+that each run joins through RAY_ADDRESS, as under `ray job submit`; multistream dumps and their indexes in a real
+moto S3 server (127.0.0.1), read by the tasks with ranged reads; shards written to it. The output must be the
+one-process run's, byte for byte."""
 from __future__ import annotations
 
 import bz2
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +21,7 @@ from data_prep.ray_pool import FAULT_ENV
 from test_data_prep import SAMPLE, run_cli, small_dump
 from test_data_prep_multistream import write_multistream
 from test_data_prep_languages import DUMPS, LANGS
+from test_data_prep_pairs import FORMATS, big_input, stream_files, write_parquet
 
 SHARD_MB = "0.05"  # several shards a stream, so that their order matters
 
@@ -177,3 +181,22 @@ def test_dumps_without_index_are_read_at_once(bucket, ray_env, tmp_path):
     # At once: every reader was started before any of them ended (one after another, each would start
     # only once the previous language is written).
     assert max(task.creation_time_ms for task in readers) < min(task.end_time_ms for task in readers)
+
+
+def test_pairs_ray_equals_serial(ray_env, tmp_path):
+    """data_prep pairs --ray: a streaming task per input cuts it into parts (a JSONL file of ~3 MB into 1 MiB
+    parts, a Parquet file into its row groups, read by the tasks that parse them); the shards and manifests are
+    the one-process run's, byte for byte."""
+    big_input(tmp_path / "big.jsonl", rows=30_000)
+    write_parquet(tmp_path / "table.parquet", FORMATS["parquet"][2])
+    outs = {}
+    for ray in ((), ("--ray",)):
+        outs[ray] = tmp_path / f"out{len(ray)}"
+        result = subprocess.run([sys.executable, "-m", "data_prep", "pairs", "--input", tmp_path / "big.jsonl",
+                                 tmp_path / "table.parquet", "--out", outs[ray], "--shuffle-window-mb", "0.05",
+                                 "--block-records", "64", "--shard-size-mb", "0.5", *ray],
+                                cwd=Path(__file__).parents[1], env={**os.environ, **(ray_env if ray else {})},
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert f"data_prep pairs: 2 tasks at a time on the Ray cluster at {ray_env['RAY_ADDRESS']}" in result.stderr
+    assert stream_files(outs[()]) == stream_files(outs[("--ray",)])

@@ -50,6 +50,9 @@ ALPHABETS = ("abcdefghijklmnopqrstuvwxyz", "ÄÖÜäöüßéèêçñ", "абвг
              "القاهرةهيعاصمة", "여성은하루에단백질을", "🙂🚀👍🏽", "0123456789", ".,;:!?'\"()[]-/&",
              "e\u0301o\u0308", "\u200b\u00a0\u3000ﬁＦｕｌ")
 LITERAL_SPECIALS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]", "<s>", "</s>", "<mask>", "<pad>")
+# Format characters BERT's normalizer drops (right-to-left mark, zero-width joiner, soft hyphen, byte order mark):
+# where they follow whitespace, the backend's offsets give them to the whitespace's side.
+DROPPED = "\u200f\u200d\u00ad\ufeff"
 
 
 def max_lengths(kind: str, main_case: bool = True) -> tuple[int, ...]:
@@ -273,16 +276,19 @@ def _texts_to_split(rng: random.Random) -> list[str]:
     pool = [*edges, *"aé[]MASKCLS#.,中", "[MASK]", "[CLS]", "[mask]", "hello", "Wörld", "  "]
     mixed = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 30))) for _ in range(1000)]
     words = ["hello world", "x hello y", "ahello hellob hello, HELLO", " hello  Wörld wörld xWörldx abab cab"]
-    return real + [random_text(rng) for _ in range(1000)] + around + mixed + words
+    # The added tokens of the tests ("hello", …) next to whitespace and to characters the normalizer drops.
+    dropping = [*DROPPED, "hello", "Wörld", "ab", "x", "é", " ", "  ", "\t"]
+    mixed_dropped = ["".join(rng.choice(dropping) for _ in range(rng.randint(1, 12))) for _ in range(1000)]
+    return real + [random_text(rng) for _ in range(1000)] + around + mixed + words + mixed_dropped
 
 
 @pytest.mark.parametrize("variant", ["minilm", "cased", "cased_no_accent_strip_no_cjk", "accents_stripped",
                                      "added_tokens", "added_tokens_split"])
 def test_chunk_tokenizer_gives_the_backends_ids(variant):
     """A text's ids are its whitespace-separated chunks' ids one after the other, each chunk's as the backend gives
-    it alone: on real and hostile texts, on each BertNormalizer setting, with added tokens that strip whitespace or
-    match only whole words, matched or not (``split_special_tokens``); the first pass learns the chunks (one
-    backend call on them joined), the second answers from what it learned."""
+    it alone: on real and hostile texts, on each BertNormalizer setting, with added tokens that strip the whitespace
+    before them or match only whole words, matched or not (``split_special_tokens``); the first pass learns the
+    chunks (one backend call on them joined), the second answers from what it learned."""
     backend = _backend_without_cuts(load_tokenizer(MINILM))
     options = {"cased": {"lowercase": False}, "accents_stripped": {"strip_accents": True},
                "cased_no_accent_strip_no_cjk": {"lowercase": False, "strip_accents": False,
@@ -290,7 +296,7 @@ def test_chunk_tokenizer_gives_the_backends_ids(variant):
     if options is not None:
         backend.normalizer = BertNormalizer(clean_text=True, **options)
     if variant.startswith("added_tokens"):
-        backend.add_tokens([AddedToken("hello", single_word=True, lstrip=True, rstrip=True, normalized=True),
+        backend.add_tokens([AddedToken("hello", single_word=True, lstrip=True, normalized=True),
                             AddedToken("Wörld", normalized=False), AddedToken("ab")])
         backend.encode_special_tokens = variant == "added_tokens_split"
     chunks = ChunkTokenizer.of(backend)
@@ -303,15 +309,33 @@ def test_chunk_tokenizer_gives_the_backends_ids(variant):
     assert len(chunks.known) > 1000
 
 
+def test_an_added_token_that_strips_the_whitespace_after_it_keeps_the_backends_ids():
+    """An added token with ``rstrip`` takes the whitespace after it, and the backend's offsets give it the characters
+    the normalizer drops that follow: cut into chunks, a chunk made only of them took the token, and the wrong ids
+    were remembered for later batches. The loader's ids are still the backend's, batch after batch."""
+    tokenizer = load_tokenizer(MINILM)
+    tokenizer.add_tokens([AddedToken("hello", rstrip=True)])
+    encode = BatchTokenizer(tokenizer, 1 << 20)  # no text is cut
+    texts = _texts_to_split(random.Random(10))
+    expected = [e.ids for e in encode.backend.encode_batch_fast(texts, add_special_tokens=False)]
+    for _ in range(2):  # the second pass as later batches: from what the first learned, where chunks are remembered
+        got = [ids for i in range(0, len(texts), 64) for ids in encode.text_ids(texts[i:i + 64])]
+        wrong = [text for text, ids, right in zip(texts, got, expected) if ids != right]
+        assert not wrong, f"{len(wrong)} of {len(texts)} texts, e.g. {wrong[:3]}"
+
+
 def test_no_chunk_tokenizer_where_ids_are_not_the_chunks(tmp_path):
-    """Other pipelines (SentencePiece's, XLM-R's) and an added token that holds whitespace (it can span chunks)
-    keep the backend's own call."""
+    """Other pipelines (SentencePiece's, XLM-R's), an added token that holds whitespace (it can span chunks) and one
+    that strips the whitespace after it (it can take characters of the next chunk) keep the backend's own call."""
     for kind in ("xlmr_e5", "spm_unigram"):
         assert ChunkTokenizer.of(build_tokenizer(kind, tmp_path).backend_tokenizer) is None
     backend = _backend_without_cuts(load_tokenizer(MINILM))
     assert ChunkTokenizer.of(backend) is not None
     backend.add_tokens([AddedToken("new york")])
     assert ChunkTokenizer.of(backend) is None
+    stripping = _backend_without_cuts(load_tokenizer(MINILM))
+    stripping.add_tokens([AddedToken("hello", rstrip=True)])
+    assert ChunkTokenizer.of(stripping) is None
     unclean = _backend_without_cuts(load_tokenizer(MINILM))
     unclean.normalizer = BertNormalizer(clean_text=False)  # control characters then stay inside words
     assert ChunkTokenizer.of(unclean) is None

@@ -7,14 +7,23 @@ worker's collate or a bare TypeError.
 - A sparse tar member (GNU type ``S``, or PAX ``GNU.sparse.*`` records) is not a regular file.
 - Every manifest field is checked; a bad one is named with its manifest and shard entry.
 - A sample's ``json`` must hold what its stream kind's objective reads (``clsys/shards/fields.py``).
+- A shard is read up to the limit, whatever the manifest lists of its size (or what it names: /dev/zero).
+- A manifest lists a shard once: not by two names, nor as two copies.
+- A name from a shard or a manifest is clipped in messages; a URL's secrets are not printed.
 """
 from __future__ import annotations
 
 import collections
 import gzip
 import hashlib
+import io
 import json
+import os
 import re
+import resource
+import shutil
+import subprocess
+import sys
 import tarfile
 import tracemalloc
 
@@ -116,6 +125,41 @@ def test_an_uncompressed_shard_over_the_limit_is_refused_before_it_is_read(tmp_p
         list(read_shard(shard))
 
 
+def run_in_capped_memory(code: str, cap: int = 1 << 30) -> subprocess.CompletedProcess:
+    """``python -c code`` in a process of its own whose address space is capped: a read that took a whole
+    /dev/zero or sparse file fails there with MemoryError, instead of taking the test machine's memory."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+
+
+def test_a_shard_without_its_size_listed_is_read_only_up_to_the_limit(tmp_path):
+    """A manifest need not list a shard's ``bytes``; what it names may be no file at all (a device), whose
+    size says nothing. Reading stops one chunk past the limit, for training and for data_prep manifest."""
+    stream = tmp_path / "sentences"
+    stream.mkdir()
+    (stream / "manifest.json").write_text(json.dumps({"format": "clsys-shards/1", "stream": "sentences", "samples": 1,
+                                                      "shards": [{"name": "file:///dev/zero", "samples": 1,
+                                                                  "sha256": "0" * 64}]}))
+    read = run_in_capped_memory(f"""
+from clsys.shards.reader import load_shards, read_shard
+(shard,) = load_shards({str(stream)!r}, max_bytes=1 << 20)
+try:
+    list(read_shard(shard))
+except Exception as err:
+    print(type(err).__name__, err)
+""")
+    assert read.stdout.strip() == "ShardError file:///dev/zero: too_large: more than 1 MiB (data.max_shard_mb) stored"
+
+    # data_prep manifest reads a listed shard the same way: a 64 GiB sparse file is refused, not read whole.
+    src = tmp_path / "foreign"
+    foreign_shard(src / "big.tar", b"")
+    os.truncate(src / "big.tar", 64 << 30)
+    indexed = run_in_capped_memory(f"from data_prep.__main__ import main; main(['manifest', {str(src)!r}, "
+                                   "'--max-shard-mb', '1'])")
+    assert (f"bad shard file://{src}/big.tar: too_large: more than 1 MiB (data.max_shard_mb) stored"
+            in indexed.stdout), indexed.stderr[-2000:]
+
+
 # ---- sparse members: not regular files ---------------------------------------------------------------------
 
 def gnu_sparse(name: str, stored: bytes, claimed: int) -> bytes:
@@ -203,6 +247,95 @@ def test_other_manifest_fields_are_checked(tmp_path, top, says):
     url = manifest_with(tmp_path, {}, **top)
     with pytest.raises(StorageError, match=re.escape(f"{url}/manifest.json: {says}")):
         load_shards(url)
+
+
+# ---- one shard, listed once ---------------------------------------------------------------------------------
+
+def test_a_manifest_cannot_list_one_shard_twice(tmp_path):
+    """Each duplicate would come twice in every epoch: in contrastive training, a false negative. A shard's
+    other names: its URL (the stream's names are file names in its folder), that URL spelled otherwise, a
+    symbolic link; and a copy of it: the same sha256."""
+    url = f"file://{tmp_path}/sentences"
+    write_samples(url, tmp_path, [{"lang": "en"}] * 3)
+    entry = read_manifest(url)["shards"][0]
+    folder, name, sha = tmp_path / "sentences", entry["name"], entry["sha256"]
+    os.symlink(folder / name, folder / "link.tar")
+    shutil.copy(folder / name, folder / "copy.tar")
+    for other, how in [(name, f"both are {url}/{name}"), (f"{url}/{name}", f"both are {url}/{name}"),
+                       (f"file://{folder}//./{name}", f"both are {url}/{name}"), ("link.tar", f"both are {url}/{name}"),
+                       ("copy.tar", f"both hold sha256 {sha}")]:
+        (folder / "manifest.json").write_text(json.dumps({"format": "clsys-shards/1", "stream": "sentences",
+                                                          "samples": 6, "shards": [entry, {**entry, "name": other}]}))
+        with pytest.raises(StorageError) as err:
+            load_shards(url)
+        assert str(err.value) == (f"{url}/manifest.json: shards[1] ({other!r}) is shards[0] ({name!r}) again ({how}): "
+                                  "every epoch would hold its samples twice")
+
+
+def test_the_manifest_command_lists_a_copied_shard_once(tmp_path, capsys):
+    src = tmp_path / "sentences"
+    foreign_shard(src / "a.tar", tar_bytes([("k.txt", b"text")]))
+    shutil.copy(src / "a.tar", src / "b.tar")
+    sha = hashlib.sha256((src / "a.tar").read_bytes()).hexdigest()
+    assert data_prep(["manifest", str(src)]) == 2
+    assert (f"bad shard file://{src}/b.tar: shards[1] ('b.tar') is shards[0] ('a.tar') again (both hold sha256 {sha}): "
+            "every epoch would hold its samples twice") in capsys.readouterr().out
+    assert data_prep(["manifest", str(src), "--skip-bad"]) == 0
+    assert [s["name"] for s in read_manifest(str(src))["shards"]] == ["a.tar"]
+    assert read_manifest(str(src))["foreign"]["shards_skipped"] == 1
+
+
+# ---- names from data in messages: clipped; a URL's secrets: never printed --------------------------------
+
+@pytest.mark.timeout(60)  # each message quoting 1 MiB names took minutes (storage.redact scanned it)
+@pytest.mark.parametrize("long_part", ["key", "extension"])
+def test_a_long_member_name_is_clipped_in_messages(tmp_path, capsys, long_part):
+    """A PAX header can give a member a name of any length: 1 MiB of it in a 2 KB .tar.gz. Each message
+    quoting it stays one short line that still names the shard."""
+    long = "k" * (1 << 20)
+    member = tarfile.TarInfo(f"{long}.bin" if long_part == "key" else f"k.{long}")
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(member, io.BytesIO())
+    src = tmp_path / "sentences"
+    foreign_shard(src / "long.tar.gz", gzip.compress(data.getvalue(), 9))
+    assert (src / "long.tar.gz").stat().st_size < 2 << 10
+
+    assert data_prep(["manifest", str(src)]) == 2  # as a foreign shard: its sample has no .txt
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "bad shard" in line]
+    assert line.startswith(f"data_prep manifest: bad shard file://{src}/long.tar.gz: sample k") and len(line) < 1000
+    assert "(1,048,576 characters)" in line, line[:1000]
+
+    stored = (src / "long.tar.gz").read_bytes()  # as a data_prep stream's: a member that is not txt/json/ids
+    shard = Shard(f"file://{src}/long.tar.gz", 1, hashlib.sha256(stored).hexdigest(), len(stored))
+    with pytest.raises(ShardError) as err:
+        list(read_shard(shard))
+    assert str(err.value).startswith(f"{shard.url}: unsafe: sample k") and len(str(err.value)) < 1000
+
+
+@pytest.mark.timeout(60)
+def test_a_long_shard_name_is_clipped_in_manifest_errors(tmp_path):
+    url = manifest_with(tmp_path, {"name": "sub/" + "x" * (1 << 20)})
+    with pytest.raises(StorageError) as err:
+        load_shards(url)
+    assert str(err.value).startswith(f"{url}/manifest.json: manifest field 'shards[0].name' is 'sub/xxx")
+    assert "(1,048,580 characters)" in str(err.value) and len(str(err.value)) < 1000
+
+
+@pytest.mark.parametrize("secret_url", ["http://T0KEN-as-user@127.0.0.1:9/x.tar",
+                                        "http://127.0.0.1:9/x.tar?token=BEARER-1234",
+                                        "http://" + "T0KEN-" * 50 + "@127.0.0.1:9/x.tar"])  # long enough to be clipped
+def test_a_shard_error_never_prints_a_secret_of_its_url(tmp_path, secret_url):
+    """A manifest may name a shard by a URL that carries a token: errors about the shard name it redacted
+    (``clsys.storage.redact``), as StorageError does. Too large to be read, it is refused unread."""
+    url = manifest_with(tmp_path, {"name": secret_url, "bytes": 2 << 20})
+    (shard,) = load_shards(url, max_bytes=1 << 20)
+    with pytest.raises(ShardError) as err:
+        list(read_shard(shard))
+    message = str(err.value)
+    assert message.startswith("http://") and "127.0.0.1:9/x.tar" in message
+    assert message.endswith(": too_large: 2097152 bytes, more than 1 MiB (data.max_shard_mb)")
+    assert "T0KEN" not in message and "BEARER" not in message, message
 
 
 # ---- sample metadata, per stream kind ----------------------------------------------------------------------

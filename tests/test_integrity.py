@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from clsys import storage
 from clsys.storage import integrity
 from clsys.storage.integrity import SUMS, IntegrityError
-from faults import flip_a_byte
+from faults import RunsCodeWhenUnpickled, flip_a_byte
 from tests.conftest import RankCheckpoints, free_port
 
 OPTIM_RANK_1 = "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"  # ZeRO-2: rank 1's optimizer partition
@@ -363,36 +363,24 @@ def test_an_s3_key_with_dot_dot_cannot_write_outside_the_download_folder(s3_buck
     assert not list(tmp_path.rglob("escaped.txt"))
 
 
-class _Payload:
-    """What a hostile checkpoint file holds: unpickling it runs code (here: creates a file)."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return Path.touch, (Path(self.marker),)
-
-
 def test_deepspeed_checkpoint_loads_never_run_code_from_the_files(tmp_path):
     """DeepSpeed unpickles its checkpoint files with weights_only=False. clsys loads them (resume,
     export, the universal conversion) with every torch.load restricted to tensors, containers and
     DeepSpeed's record classes: a file replaced on shared storage (its SHA256SUMS with it) is refused,
-    never run. Before, export ran the payload."""
-    import pickle
-
+    never run, with an error that names it (torch's UnpicklingError did not). Before, export ran the payload."""
     import torch
 
+    from clsys.engine.checkpoint import CheckpointError
     from clsys.export import checkpoint_weights
 
     marker = tmp_path / "pwned"
     ds = tmp_path / "ckpt" / "ds"
     ds.mkdir(parents=True)
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
-        torch.save({"optimizer_state_dict": _Payload(str(marker)), "module": _Payload(str(marker))}, ds / name)
+        torch.save({"optimizer_state_dict": RunsCodeWhenUnpickled(str(marker)),
+                    "module": RunsCodeWhenUnpickled(str(marker))}, ds / name)
     (tmp_path / "ckpt" / "latest").write_text("ds")
-    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
-        checkpoint_weights(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"^s3://b/step/ds/\S+_states\.pt: refused: .*weights_only"):
+        checkpoint_weights(str(tmp_path / "ckpt"), "s3://b/step")
     assert not marker.exists(), "loading the checkpoint ran code from it"
     assert torch.load.__module__ == "torch.serialization", "the restriction outlived the load"

@@ -242,3 +242,87 @@ def test_a_lease_created_with_a_lost_response_is_taken_at_once(lossy_s3, capsys)
     assert "is held by" not in capsys.readouterr().out
     assert _lease_holder(run_url) == lease.record["holder"]
     lease.release()
+
+
+def _record(**fields) -> bytes:
+    """A lease record as another driver wrote it, with ``fields`` changed (None: left out)."""
+    record = {"holder": "0f" * 16, "host": "node-7", "pid": 4242, "started": "2026-01-01 00:00:00 UTC",
+              "ttl_s": 1.0, "renewals": 0, **fields}
+    return storage.json_bytes({k: v for k, v in record.items() if v is not None})
+
+
+@pytest.mark.parametrize("found,field", [
+    pytest.param(b"[]", "a JSON object", id="a list"),  # was AttributeError: 'list' object has no attribute 'get'
+    pytest.param(b'"a note"', "a JSON object", id="a string"),
+    pytest.param(_record(pid="4242"), "pid", id="pid a string"),  # was watched, then taken over
+    pytest.param(_record(host=["node-7"]), "host", id="host a list"),
+    pytest.param(_record(ttl_s=None), "ttl_s", id="no ttl_s"),  # was watched for the watcher's own time-to-live
+    pytest.param(_record(ttl_s=True), "ttl_s", id="ttl_s true"),
+    pytest.param(_record(ttl_s=float("nan")), "ttl_s", id="ttl_s NaN"),  # was watched forever: no time exceeds NaN
+    pytest.param(_record(ttl_s=float("inf")), "ttl_s", id="ttl_s Infinity"),  # was watched forever
+    pytest.param(_record(ttl_s=1e12), "ttl_s", id="ttl_s beyond a day"),  # no driver could take it over
+    pytest.param(_record(ttl_s=-5.0), "ttl_s", id="ttl_s negative"),  # was taken over at once, its driver maybe alive
+])
+def test_a_lease_record_clsys_cannot_read_is_refused_and_kept(found, field, tmp_path):
+    """A LEASE that is not a record as clsys writes it (damaged, another program's, an older clsys that
+    took cluster.lease_ttl_s=inf) says neither who holds the run nor how long to wait before its holder
+    counts as dead. Guessing either could let two drivers write one run: the driver must stop at once
+    with an error naming the lease and the field, and leave the record for a person to look at."""
+    run_url = f"file://{tmp_path}/run"
+    url = storage.join(run_url, LEASE)
+    version = compare_and_swap.write_if(url, found, None)
+    outcome = []
+
+    def acquire() -> None:
+        try:
+            Lease(run_url, 3.0, on_lost=lambda lease: outcome.append("lost")).acquire(poll_s=0.05)
+            outcome.append("taken")
+        except Exception as err:  # noqa: BLE001 - which error it was is the assertion below
+            outcome.append(err)
+
+    acquiring = threading.Thread(target=acquire, daemon=True)
+    acquiring.start()
+    acquiring.join(timeout=5)  # a record of ttl_s 1 (the other cases' ttl) is taken over in ~1 s
+    assert outcome, "still watching the lease after 5 s"
+    assert isinstance(outcome[0], storage.StorageError), outcome
+    assert str(outcome[0]).startswith(f"{url}: not a lease record clsys writes") and field in str(outcome[0])
+    assert compare_and_swap.read_versioned(url) == (found, version), "the record was replaced"
+
+
+def test_the_largest_time_to_live_the_config_takes_keeps_its_renewer(tmp_path):
+    """``cluster.lease_ttl_s=inf`` passed the config, and the renewer then died of OverflowError (an
+    unrenewed lease, taken by the next driver while this one still writes). The config refuses what the
+    renewer cannot wait for, naming the key; the largest value it takes runs."""
+    from clsys.config import ConfigError
+    from clsys.recipes import load_config
+    from clsys.storage.lease import MAX_TTL_S
+
+    for bad in ("inf", "nan", "-1", str(MAX_TTL_S * 2)):
+        with pytest.raises(ConfigError, match=r"cluster.lease_ttl_s: expected 0 \(no lease\) or a time-to-live"):
+            load_config(None, [f"cluster.lease_ttl_s={bad}"])
+    lease = Lease(f"file://{tmp_path}/run", load_config(None, [f"cluster.lease_ttl_s={MAX_TTL_S}"]).cluster.lease_ttl_s)
+    lease.acquire()
+    try:
+        time.sleep(0.2)
+        assert lease._renewer.is_alive(), "the renewer thread died"
+    finally:
+        lease.release()
+
+
+def test_a_holder_whose_lease_is_overwritten_with_what_clsys_cannot_read_stops(tmp_path):
+    """Another program replaces a live driver's LEASE with a JSON list. The driver's next renewal is
+    refused and reads it back: it must count the lease as lost and exit (before, reading the list raised
+    AttributeError in the renewer thread, which died, and the driver went on writing without a lease)."""
+    run_url = f"file://{tmp_path}/run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, run_url, "1.5"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        url = storage.join(run_url, LEASE)
+        assert compare_and_swap.write_if(url, b"[]", compare_and_swap.read_versioned(url)[1]) is not None
+        assert holder.wait(timeout=10) == 1
+        assert (f"this driver lost its lease (not renewed for 1.5 s) to a record clsys cannot read ({url}: not a "
+                f"lease record clsys writes (not a JSON object but [])") in holder.stderr.read()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -3,7 +3,9 @@ tokenizer would, bad ids members, and the start-up refusal of a stream tokenized
 from __future__ import annotations
 
 import collections
+import itertools
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from clsys.config import Config, ModelConfig
+from clsys.data.streaming import stream_loader
 from clsys.recipes import load_config
 from clsys.data.pretokenized import SentenceBatcher, tokenizer_fingerprint
 from clsys.shards.reader import Shard, ShardError, load_shards, read_shard
@@ -22,8 +25,10 @@ from clsys.objectives.self_guided import SelfGuided, SelfGuidedConfig
 from clsys.objectives.simcse import SimCSE, SimCSEConfig
 from clsys.pretrain import check_data, main as pretrain
 from data_prep.__main__ import main as data_prep
+from clsys import storage
 from clsys.storage import StorageError
 from clsys.shards.manifest import read_manifest
+from clsys.shards.blocks import Record
 from clsys.shards.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,6 +225,111 @@ def test_training_refuses_ids_cut_below_max_length(streams, tmp_path, capsys):
     capsys.readouterr()
     assert _pretrain(tmp_path, data) == 2  # quickstart: data.max_length 32 keeps up to 30 text tokens
     assert "ids are cut at 16 tokens, but data.max_length 32 keeps up to 30" in capsys.readouterr().err
+
+
+FORGED = [7592, 2088]  # "hello world" to all-MiniLM-L6-v2, whatever a record's text says
+
+
+def _ids_stream(stream: Path, shards: list[list[list[int] | None]], tokenizer: dict | None) -> None:
+    """A sentences stream as data_prep tokenize writes it (format 2), one shard of one block per entry of ``shards``:
+    record n says "sentence number n about cats", its ids are the entry's (None: it has none); the manifest names
+    ``tokenizer`` (data_prep tokenize's section), or no tokenizer."""
+    stream.mkdir(parents=True)
+    writer = ShardWriter(str(stream), str(stream.parent), 1 << 20, block_records=1 << 10)
+    n = 0
+    for rows in shards:
+        writer.write_block([Record(f"sentence number {n + i} about cats", {"lang": "en"}, ids)
+                            for i, ids in enumerate(rows)])
+        writer.close()  # the block's shard ends here
+        n += len(rows)
+    writer.write_manifest({} if tokenizer is None else {"tokenizer": tokenizer})
+
+
+def _one_worker(data: Path) -> Config:
+    return load_config("quickstart", [f"data.url={data}", "cluster.num_workers=1", "data.loader_workers=1"])
+
+
+def _read_epoch(cfg: Config, tokenizer) -> list[dict]:
+    """The first epoch's batches, through the loader SimCSE trains with (one loader worker process)."""
+    loader = iter(stream_loader(cfg, "sentences", 0, 1, SimCSE(cfg, tokenizer).data))
+    try:
+        return list(itertools.islice(loader, 4))  # 128 records, 32 a batch
+    finally:
+        loader.close()
+
+
+def test_training_refuses_ids_no_fingerprint_vouches_for(tmp_path):
+    """A stream with ids but no tokenizer in its manifest skipped the fingerprint check, and its ids were trained
+    on: "sentence number 0 about cats" as [CLS] hello world [SEP]. Refused at start-up, before any worker starts."""
+    data = tmp_path / "data"
+    _ids_stream(data / "sentences", [[FORGED] * 64] * 2, None)
+    with pytest.raises(ValueError, match=rf"^file://{data}/sentences: .*token ids.* names no tokenizer"):
+        check_data(load_config("quickstart", [f"data.url={data}"]))
+
+
+def test_loader_refuses_ids_no_fingerprint_vouches_for(minilm, tmp_path):
+    """Start-up reads the first shard alone: the loader refuses such ids in any shard, naming it and the sample."""
+    data = tmp_path / "data"
+    _ids_stream(data / "sentences", [[None] * 64, [FORGED] * 64], None)
+    cfg = _one_worker(data)
+    check_data(cfg)  # its first shard has no ids
+    with pytest.raises(ShardError, match=r"shard-000001\.tar: unsafe: sample 000000001/0 has token ids"):
+        _read_epoch(cfg, minilm)
+
+
+@pytest.mark.parametrize("bad", [30522, -1])  # all-MiniLM-L6-v2 has 30,522 tokens: one past its last; a negative one
+def test_ids_outside_the_vocabulary_are_refused(bad, minilm, tmp_path):
+    """They went to the embedding: a bare IndexError naming no shard on a CPU, on a GPU a device-side assert that
+    kills the process."""
+    data = tmp_path / "data"
+    rows = [FORGED] * 64
+    _ids_stream(data / "sentences", [rows, rows[:10] + [[7592, bad]] + rows[11:]],
+                {"name": MINILM, "fingerprint": tokenizer_fingerprint(minilm), "max_tokens": 512})
+    cfg = _one_worker(data)
+    check_data(cfg)  # the fingerprint is the training tokenizer's
+    with pytest.raises(ShardError, match=rf"shard-000001\.tar: ids_out_of_range: sample 000000001/10: token id {bad} "):
+        _read_epoch(cfg, minilm)
+    # data.on_bad_sample: skip leaves out the record's block, counted.
+    first, second = load_shards(str(data / "sentences"), "sentences", vocab_size=len(minilm))
+    skipped = collections.Counter()
+    assert len(list(read_shard(first, skipped=skipped))) == 64 and not skipped
+    assert list(read_shard(second, skipped=skipped)) == [] and skipped == {"ids_out_of_range": 1}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --out spelled so that a string comparison with --input misses it: the same folder, one inside it, one holding it.
+OUT_ONTO_INPUT = {"file_url": "file://{input}", "dot": "{input}/.", "double_slash": "{parent}//sentences",
+                  "dot_dot": "{input}/../sentences", "inside": "{input}/tokenized", "holding": "file://{parent}/"}
+
+
+@pytest.mark.parametrize("spelling", list(OUT_ONTO_INPUT))
+def test_tokenize_refuses_an_out_on_its_input(spelling, streams, tmp_path, capsys):
+    """Writing the output stream where the input is read from replaced its shards one by one and deleted its
+    manifest: a failure half-way (at shard 40) left neither stream. Refused before anything is written."""
+    stream = tmp_path / "in" / "sentences"
+    shutil.copytree(streams[0], stream)
+    before = _files(tmp_path)
+    out = OUT_ONTO_INPUT[spelling].format(input=stream, parent=stream.parent)
+    capsys.readouterr()
+    assert data_prep(["tokenize", "--input", str(stream), "--tokenizer", MINILM, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"data_prep tokenize: error: --out {out}: ") and f"the input {stream}" in err, err
+    assert _files(tmp_path) == before  # nothing written, nothing replaced or deleted
+
+
+@pytest.mark.parametrize("out", ["{input}/", "{input}/tokenized", "{bucket}/in"])
+def test_tokenize_refuses_an_out_on_its_input_in_s3(out, streams, s3_bucket, capsys):
+    stream = f"{s3_bucket}/in/sentences"
+    storage.upload_dir(str(streams[0]), stream)
+    before = {url: storage.read_bytes(url) for url in storage.list_prefix(s3_bucket)}
+    out = out.format(input=stream, bucket=s3_bucket)
+    capsys.readouterr()
+    assert data_prep(["tokenize", "--input", stream, "--tokenizer", MINILM, "--out", out]) == 2
+    assert f"error: --out {out}: " in capsys.readouterr().err
+    assert {url: storage.read_bytes(url) for url in storage.list_prefix(s3_bucket)} == before
 
 
 @pytest.mark.parametrize("case", ["missing_stream", "no_manifest", "bad_tokenizer", "out_is_input"])

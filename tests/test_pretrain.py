@@ -21,6 +21,7 @@ from clsys import storage
 from clsys.recipes import load_config
 from clsys.engine.checkpoint import complete_checkpoints
 from clsys.storage import compare_and_swap
+from conftest import ftp_server
 from faults import Run, sample_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,11 +313,18 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_auth_server, local
 
 @pytest.fixture(scope="module")
 def foreign_shards(local_shards, tmp_path_factory):
-    """The bundled sentences as shards another tool wrote: the tars alone, indexed by `data_prep manifest`
+    """The bundled sentences as shards another tool wrote (webdataset's TarWriter, a sentence a sample: data_prep's
+    own tars hold blocks of them, which `data_prep manifest` refuses to index), indexed by `data_prep manifest`
     into a stream folder of their own (shards named by URL)."""
+    import webdataset as wds
+
+    from clsys.shards.reader import load_shards, read_shard
+
     out = tmp_path_factory.mktemp("foreign")
-    for tar in Path(local_shards, "sentences").glob("*.tar"):
-        shutil.copy(tar, out / tar.name)
+    for i, shard in enumerate(load_shards(str(Path(local_shards, "sentences")))):
+        with wds.TarWriter(str(out / f"part-{i:05d}.tar")) as writer:
+            for sample in read_shard(shard):
+                writer.write({"__key__": sample["__key__"].replace("/", "-"), "txt": sample["txt"]})
     assert run("-m", "data_prep", "manifest", str(out), "--out", str(out / "corpus" / "sentences")).returncode == 0
     return str(out / "corpus")
 
@@ -448,17 +456,36 @@ def test_two_worker_simcse_equals_a_plain_loop_without_dropout(local_shards, tin
 @pytest.mark.usefixtures("shared_ray")
 def test_relative_model_and_dev_set_paths_from_the_drivers_folder(local_shards, tiny_bert_with_heads, tmp_path):
     """A user in their own folder names the model, the dev STS set and the run root relative to it: the
-    driver resolves them (Ray Train workers run elsewhere), the workers load both, the config records where."""
+    driver resolves them (Ray Train workers run elsewhere), the workers load both, the config records where.
+    The shards come from an FTP server on 127.0.0.1 whose user name is a token, as many services take one:
+    the workers read them through the URL, and no file the run and its export write (config, checkpoint,
+    TensorBoard events, best.json, model card, clsys_export.json, Ray's bookkeeping) holds the token, where
+    each that records the URL records it as ``ftp://***@…``."""
     shutil.copytree(tiny_bert_with_heads, tmp_path / "models" / "tiny")
     (tmp_path / "sets").mkdir()
     dev = (REPO / "clsys" / "assets" / "sts" / "stsb-en-dev.csv").read_text(encoding="utf-8").splitlines(True)[:16]
     (tmp_path / "sets" / "my-dev.csv").write_text("".join(dev), encoding="utf-8")
-    proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={local_shards}", "train.run_root=runs", "train.name=rel",
-               "model.name=models/tiny", "eval.sts_dev=sets/my-dev.csv", "train.batch_size=8", "train.steps=1",
-               "train.ckpt_every=1", "eval.every=1", "eval.heatmap_text=", cwd=tmp_path)
+    token = "T0KEN-as-user"
+    with ftp_server(local_shards, token, "") as ftp:
+        shards = ftp.replace("ftp://", f"ftp://{token}@")
+        proc = run("-m", "clsys.pretrain", *SHORT, f"data.url={shards}", "train.run_root=runs", "train.name=rel",
+                   "model.name=models/tiny", "eval.sts_dev=sets/my-dev.csv", "train.batch_size=8", "train.steps=1",
+                   "train.ckpt_every=1", "eval.every=1", "eval.heatmap_text=", cwd=tmp_path)
     assert proc.returncode == 0
     assert "[clsys] step 1: my-dev_spearman" in proc.stdout  # rank 0 scored the user's set after the step
-    saved = yaml.safe_load((tmp_path / "runs" / "rel" / "config.yaml").read_text())
+    run_folder = tmp_path / "runs" / "rel"
+    saved = yaml.safe_load((run_folder / "config.yaml").read_text())
     assert (saved["model"]["name"], saved["eval"]["sts_dev"]) == (str(tmp_path / "models" / "tiny"),
                                                                  str(tmp_path / "sets" / "my-dev.csv"))
-    assert (tmp_path / "runs" / "rel" / "export" / "modules.json").is_file()
+    assert (run_folder / "export" / "modules.json").is_file()
+
+    files = [p for p in sorted(run_folder.rglob("*")) if p.is_file()]
+    assert not [str(p) for p in files if token.encode() in p.read_bytes()], "files holding the token"
+    assert token not in proc.stdout + proc.stderr
+    redacted = shards.replace(token, "***")
+    assert saved["data"]["url"] == redacted
+    assert f"| training data | `{redacted}` |" in (run_folder / "export" / "README.md").read_text()
+    checkpoint = json.loads((run_folder / "checkpoints" / "step-00000001" / "clsys_state.json").read_text())
+    assert checkpoint["config"]["data"]["url"] == redacted
+    events = [p for p in files if p.parent.name == "tensorboard" and p.name.startswith("events.")]
+    assert events and all(redacted.encode() in p.read_bytes() for p in events)  # the config's text and hparams

@@ -84,6 +84,7 @@ def test_best_checkpoint_survives_keep_last_and_restarts(tiny, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["eval.select_mode=biggest"], "eval.select_mode: expected max or min"),
     (["eval.sts_dev=", "eval.select=xquad_en-de_mrr@10"], "eval.select: expected '' or sts_dev when nothing"),
+    (["eval.select=retrieval_dev"], "eval.select: expected retrieval_dev only with eval.retrieval_dev set"),
 ])
 def test_selection_config_errors(overrides, message):
     from clsys.config import ConfigError

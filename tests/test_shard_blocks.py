@@ -4,21 +4,26 @@ hostile blocks and manifests refused or counted; the loader's exact and elastic 
 from __future__ import annotations
 
 import collections
+import contextlib
+import gzip
 import hashlib
 import json
 import os
 import random
 import subprocess
 import sys
+import tracemalloc
+from typing import Iterator
 
 import pytest
 
 from clsys import storage
 from clsys.data.streaming import ShardLoader
-from clsys.shards.blocks import Record
+from clsys.shards.blocks import MAX_BLOCK_RECORDS, Record
 from clsys.shards.reader import ShardError, load_shards, read_shard
 from clsys.shards.writer import ShardWriter, encode_members
 from clsys.storage import StorageError
+from data_prep.__main__ import main as data_prep
 
 
 def make_records(n: int, seed: int = 0, ids: bool = False) -> list[Record]:
@@ -95,15 +100,18 @@ def test_the_writer_refuses_what_a_block_cannot_hold(tmp_path, bad, message):
 
 
 def stream_of_blocks(tmp_path, blocks: list[dict[str, bytes]], records: int | None = None,
-                     shard_blocks: int | None = None) -> str:
+                     shard_blocks: int | None = None, compress: bool = False) -> str:
     """A format 2 stream of one shard holding ``blocks`` (members by extension), its manifest saying
-    ``records`` records and ``shard_blocks`` blocks (by default what the blocks' json say)."""
+    ``records`` records and ``shard_blocks`` blocks (by default what the blocks' json say); ``compress``: a .tar.gz."""
     url = str(tmp_path / "hostile")
     data = b"".join(encode_members(f"{i:09d}", members) for i, members in enumerate(blocks)) + bytes(1024)
     data += bytes(-len(data) % 10240)
-    storage.write_bytes(storage.join(url, "shard-000000.tar"), data)
+    name = "shard-000000.tar.gz" if compress else "shard-000000.tar"
+    if compress:
+        data = gzip.compress(data, 9)
+    storage.write_bytes(storage.join(url, name), data)
     counted = sum(map(json_records, blocks))
-    shard = {"name": "shard-000000.tar", "samples": counted if records is None else records, "bytes": len(data),
+    shard = {"name": name, "samples": counted if records is None else records, "bytes": len(data),
              "sha256": hashlib.sha256(data).hexdigest(), "blocks": len(blocks) if shard_blocks is None else shard_blocks}
     storage.write_json(storage.join(url, "manifest.json"), {"format": "clsys-shards/2", "stream": "hostile",
                                                             "shards": [shard], "samples": shard["samples"]})
@@ -181,6 +189,100 @@ def test_a_format_2_manifest_names_a_shard_without_its_block_count(tmp_path):
     with pytest.raises(StorageError, match="manifest format is 'clsys-shards/3', expected one of clsys-shards/1, "
                                            "clsys-shards/2"):
         load_shards(url)
+
+
+# ---- a block's records: bounded in number and in decoded size, built one at a time -------------------------
+
+@contextlib.contextmanager
+def peak_memory() -> Iterator[list[int]]:
+    """A list that holds, once the ``with`` block has ended (raising or not), the most bytes Python held at
+    once inside it (tracemalloc)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+def test_a_block_counting_more_records_than_a_block_holds_is_refused_unbuilt(tmp_path):
+    """A record can take one byte of a block (an empty text is a line feed): 4,000,000 of them in an 8 KB
+    .tar.gz took 1.86 GiB of a loader worker before its first record. 1,000,000 here: refused as the shard is
+    checked, naming the shard, the block and the count, with none built."""
+    count = 1_000_000
+    meta = {"records": count, "constant": {"lang": "en"}, "columns": {}}
+    url = stream_of_blocks(tmp_path, [{"txt": b"\n" * (count - 1), "json": json.dumps(meta).encode()}], compress=True)
+    assert os.path.getsize(tmp_path / "hostile" / "shard-000000.tar.gz") < 8 << 10
+    with peak_memory() as peak, pytest.raises(ShardError) as err:
+        read_all(url)
+    assert str(err.value) == (f"{storage.join(url, 'shard-000000.tar.gz')}: corrupt: block 000000000: its json counts "
+                              f"1,000,000 records, more than a block holds ({MAX_BLOCK_RECORDS:,})")
+    assert peak[0] < 8 << 20, peak  # the 1 MB tar and its text; the records, built, took ~400 MB
+
+
+def test_a_blocks_records_are_built_as_they_are_read(tmp_path):
+    """A full block (the most records a block holds, 20 constant fields each): its first record comes
+    before the others are built, so a reader holds no more records than its consumer keeps (a loader's
+    shuffle buffer)."""
+    constant = {f"field_{i}": i for i in range(20)}
+    texts = [f"record {i}" for i in range(MAX_BLOCK_RECORDS)]
+    (shard,) = load_shards(stream_of_blocks(tmp_path, [block(texts, constant=constant)]))
+    samples = read_shard(shard)
+    with peak_memory() as peak:
+        first = next(samples)
+    assert first == {"__key__": "000000000/0", "txt": "record 0", "json": constant}
+    assert peak[0] < 4 << 20, peak  # the block's records, built all at once: ~25 MB
+    assert [s["txt"] for s in samples] == texts[1:]
+
+
+def test_a_block_whose_records_decode_past_the_limit_is_too_large(tmp_path):
+    """Every record gets its own copy of its block's constant fields: 1,000 records sharing 2 KiB of them
+    take 2 MB decoded, from a block of 4 KiB, past a 1 MiB data.max_shard_mb that its tar is far within."""
+    hostile = block(["x"] * 1000, constant={"note": "n" * 2048})
+    url = stream_of_blocks(tmp_path, [GOOD, hostile])
+    (shard,) = load_shards(url, max_bytes=1 << 20)
+    decoded = sum(map(len, hostile.values())) + 999 * len('{"note":""}' + "n" * 2048)
+    with pytest.raises(ShardError) as err:
+        list(read_shard(shard))
+    assert str(err.value) == (f"{shard.url}: too_large: block 000000001: its 1,000 records take {decoded:,} bytes "
+                              "decoded (every one its own copy of the block's constant fields), more than 1 MiB "
+                              "(data.max_shard_mb)")
+    skipped = collections.Counter()
+    assert list(read_shard(shard, skipped=skipped)) == [] and skipped == {"too_large": 1}
+    assert len(list(read_shard(load_shards(url, max_bytes=4 << 20)[0]))) == 1002  # within a larger limit
+
+
+def test_the_writer_writes_no_block_the_reader_refuses(tmp_path):
+    with pytest.raises(ValueError, match=f"block_records {MAX_BLOCK_RECORDS + 1:,}: a block holds at most "
+                                         f"{MAX_BLOCK_RECORDS:,} records"):
+        ShardWriter(str(tmp_path / "s"), str(tmp_path), 1 << 30, block_records=MAX_BLOCK_RECORDS + 1)
+    writer = ShardWriter(str(tmp_path / "s"), str(tmp_path), 1 << 30, block_records=1)
+    with pytest.raises(ValueError, match=f"block 000000000: a block holds at most {MAX_BLOCK_RECORDS:,} records, "
+                                         f"not {MAX_BLOCK_RECORDS + 1:,}"):
+        writer.write_block([Record("x", {})] * (MAX_BLOCK_RECORDS + 1))
+
+
+# ---- format 2 shards under a format 1 manifest: each block would be one sample of many texts ---------------
+
+def test_format_2_shards_are_neither_indexed_nor_read_as_format_1(tmp_path, capsys):
+    url = f"file://{tmp_path}/sentences"
+    write(url, tmp_path, make_records(40), block_records=16)  # blocks of 16, 16 and 8 records
+    says = ("sample 000000000 is a block of 16 records of clsys-shards/2, which a clsys-shards/1 manifest reads as one "
+            "sample: read these shards with the manifest data_prep wrote with them")
+    # data_prep manifest (--out: their own manifest is beside them) indexes other tools' shards, not these.
+    assert data_prep(["manifest", url, "--out", f"file://{tmp_path}/indexed/sentences"]) == 2
+    assert f"bad shard {url}/shard-000000.tar: {says}" in capsys.readouterr().out
+    # A format 1 manifest over them, a data_prep stream's or a foreign one's: refused by the reader.
+    manifest = storage.read_json(f"{url}/manifest.json")
+    (shard,) = manifest["shards"]
+    v1_shard = {"name": shard["name"], "samples": 3, "bytes": shard["bytes"], "sha256": shard["sha256"]}
+    for foreign in ({}, {"foreign": {"text_member": "txt"}}):
+        storage.write_json(f"{url}/manifest.json", {**manifest, "format": "clsys-shards/1", "samples": 3, **foreign,
+                                                    "shards": [v1_shard]})
+        with pytest.raises(ShardError) as err:
+            read_all(url)
+        assert str(err.value) == f"{url}/shard-000000.tar: corrupt: {says}"
 
 
 # ---- other tools read format 2 shards as plain WebDataset tars: a sample is a block ----------------------

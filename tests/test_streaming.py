@@ -3,6 +3,7 @@ resume, safety. Bad data has its own file (test_streaming_faults.py)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -11,8 +12,13 @@ import io
 import json
 import os
 import random
+import re
+import signal
+import subprocess
 import sys
 import tarfile
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -185,7 +191,6 @@ def test_a_bundle_made_while_the_trainer_is_busy_is_there_whole(tmp_path):
     a bundle on busy cores). Nobody reads here: the pipe must come to hold the worker's prefetched bundles."""
     import fcntl
     import termios
-    import time
 
     from clsys.data.batch_transport import RESULT_PIPE_BYTES, grow_result_pipe
     from clsys.data.streaming import SegmentReader
@@ -381,6 +386,104 @@ def test_loader_workers_leave_their_imports_out_of_garbage_collection(tmp_path):
     seen = [next(batches) for _ in range(4)]
     assert all(b["frozen"] > 100_000 for b in seen)  # the imports: torch's alone are more
     assert all(b["traversed"] < 0.1 * b["frozen"] for b in seen)
+
+
+# A trainer in miniature: the loader over the shards at argv[1], two workers, ``argv[2]`` batches taken, then a step
+# that lasts until the process is killed. One batch a transfer: a worker that has made its whole piece of the epoch
+# ends, and with bundles of 16 both of this epoch's did before half-epoch.
+TRAINER = """
+import sys, time
+from clsys.data.streaming import ShardLoader
+from test_streaming import collate
+batches = iter(ShardLoader(sys.argv[1], 0, 1, 4, collate, seed=0, loader_workers=2, shuffle_buffer=8, bundle=1))
+for _ in range(int(sys.argv[2])):
+    next(batches)
+time.sleep(600)
+"""
+
+
+def session_processes(session: int) -> dict[int, str]:
+    """The processes of ``session`` that are still running (zombies are over): pid -> what it is, for messages."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, _, fields = stat.read_text().partition("(")[2].rpartition(")")
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        state, parent, _, sid = fields.split()[:4]
+        if int(sid) == session and state not in "ZX":
+            found[int(stat.parent.name)] = f"{comm} (parent {parent}): {command[:100]}"
+    return found
+
+
+def alive_pipe_writers(processes: dict[int, str]) -> set[int]:
+    """Of ``processes`` (``session_processes``), those holding the write end of the loader workers' forkserver's
+    "alive" pipe, whose read end is the forkserver's second argument: the forkserver exits once no process has it."""
+    forkserver, alive = next((pid, int(found[1])) for pid, what in processes.items()
+                             if not what.startswith("pt_data_worker")
+                             and (found := re.search(r"multiprocessing.forkserver import main; main\(\d+, (\d+)", what)))
+    pipe = os.readlink(f"/proc/{forkserver}/fd/{alive}")  # "pipe:[inode]", as each end of it reads
+    holders = set()
+    for pid in processes.keys() - {forkserver}:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if os.readlink(fd) == pipe:
+                    holders.add(pid)
+    return holders
+
+
+def test_killing_the_trainer_ends_its_loader_processes(tmp_path):
+    """Ray restarting a rank, the OOM killer and scancel past its grace period kill the trainer's process alone, with
+    SIGKILL: its loader workers (~200 MB each), the next epoch's reading ahead among them, and their forkserver
+    (~285 MB) must end with it, or every restart leaks a full set. Killed mid-epoch, and while the next epoch's
+    workers read ahead, within seconds no process the trainer started is left (all are in its session)."""
+    url = f"file://{tmp_path}/stream"
+    write_stream(url, tmp_path, SIZES)
+    per_epoch = plan_epoch(load_shards(url), 0, 0, 1, 2, 4).batches_per_rank
+    # Batches taken before the kill, and the loader workers seen by then: this epoch's two, or those and the next
+    # epoch's first (its second may still be starting when the trainer is killed: a case of its own to clean up).
+    cases = {"mid-epoch": (1, 2), "reading ahead": (per_epoch // 2 + 2, 3)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    logs = {case: tmp_path / f"{case}.log" for case in cases}
+    trainers = {}
+    for case, (taken, _) in cases.items():  # both at once: each takes seconds to start its forkserver
+        with logs[case].open("w") as log:
+            trainers[case] = subprocess.Popen([sys.executable, "-c", TRAINER, url, str(taken)], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # Workers seen, in both trainers from their start, not workers running: a worker that has made its whole
+        # piece of the epoch ends, which under load can come before the next epoch's second worker starts (the next
+        # epoch's wait for the trainer's step).
+        deadline, seen = time.monotonic() + 60, {case: set() for case in cases}
+        while any(len(seen[case]) < workers for case, (_, workers) in cases.items()):
+            for case, trainer in trainers.items():
+                seen[case] |= {pid for pid, what in session_processes(trainer.pid).items()
+                               if what.startswith("pt_data_worker")}
+                assert trainer.poll() is None, logs[case].read_text()
+                assert time.monotonic() < deadline, f"{case}: workers never started: seen {seen[case]}, now " \
+                    f"{session_processes(trainer.pid)}; {logs[case].read_text()}"
+            time.sleep(0.1)
+        for case, trainer in trainers.items():
+            # Once the workers have started (a worker just forked may not be there yet), the write end of the
+            # forkserver's alive pipe is the trainer's alone: no worker keeps the forkserver running without it.
+            deadline = time.monotonic() + 5
+            while (writers := alive_pipe_writers(started := session_processes(trainer.pid))) != {trainer.pid} \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert writers == {trainer.pid}, f"{case}: the forkserver's alive pipe is held by {writers} of {started}"
+            trainer.kill()
+            trainer.wait()
+            deadline = time.monotonic() + 5
+            while (left := session_processes(trainer.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not left, f"{case}: left running after the trainer was killed: {left}; started: {started}"
+    finally:
+        for trainer in trainers.values():
+            trainer.kill()
+            trainer.wait()
+            for pid in session_processes(trainer.pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_epochs_reshuffle(tmp_path):

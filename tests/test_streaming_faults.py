@@ -51,7 +51,8 @@ def replace_shard(url: str, n: int, data: bytes, manifest_agrees: bool = True) -
 
 def wrong_checksum(url, n, tmp_path):
     manifest = storage.read_json(storage.join(url, "manifest.json"))
-    manifest["shards"][n]["sha256"] = "0" * 64
+    # Another shard's wrong sum must differ: two entries holding one sha256 are one shard listed twice.
+    manifest["shards"][n]["sha256"] = hashlib.sha256(f"not shard {n}".encode()).hexdigest()
     storage.write_json(storage.join(url, "manifest.json"), manifest)
 
 

@@ -1,7 +1,10 @@
 """Secrets a storage URL can carry (a token as its user name, a password, a signed query string) never
-reach a console line or an error message, from the attacker's side: the text clsys prints, in-process
-and from its command lines, is searched for each secret. The URLs point at real servers on 127.0.0.1
-(an HTTP server that refuses everything, conftest's FTP server with a token as the user name)."""
+reach a console line, an error message or a file written for others to read, from the attacker's side:
+the text clsys prints, in-process and from its command lines, and the files it writes of a config are
+searched for each secret. The URLs point at real servers on 127.0.0.1 (an HTTP server that refuses
+everything, conftest's FTP server with a token as the user name). A whole run reading its shards with a
+token, and an export reading its checkpoint with one, are searched file by file in tests/test_pretrain.py
+and tests/test_export_out.py."""
 from __future__ import annotations
 
 import bz2
@@ -10,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -106,6 +110,17 @@ def test_what_is_printed_of_a_url():
         assert storage.redact(f"{kept}: no such object") == f"{kept}: no such object"
 
 
+@pytest.mark.timeout(30)
+def test_a_url_after_a_long_run_of_word_characters_is_found_and_redacted():
+    """A hostile name of a million word characters before a URL: the scheme is the run from its first ASCII letter
+    (as a plain pattern finds it), and the text is scanned once (a plain pattern tried the run from each of its
+    letters: 20,000 characters took 3 s, a million did not finish; the timeout is that hang's guard)."""
+    for run in ("a" * 1_000_000, "é" * 1_000_000, "_1" * 500_000):
+        assert storage.redact(f"{run}ftp://T0KEN-as-user@h/x?sig=S3CRET") == f"{run}ftp://***@h/x?sig=***"
+        assert storage.redact(run) == run
+    assert storage.redact("_ftp://T0KEN@h/x éhttp://T0KEN@h/y") == "_ftp://***@h/x éhttp://***@h/y"
+
+
 @pytest.mark.parametrize("which", range(4))
 def test_storage_errors_name_the_url_without_its_secrets(refusing_http, which, tmp_path):
     url = secret_urls(refusing_http)[which]
@@ -160,3 +175,51 @@ def test_command_lines_never_print_a_url_secret(refusing_http, ftp_token, tmp_pa
     shown = console("-m", "clsys.tensorboard", f"{ftp_token}/wiki", "--port", str(free_port()), fails=True)
     assert "no TensorBoard event files" in shown
     assert_no_secret(shown)
+
+
+def test_a_failed_workers_error_is_printed_without_its_urls_secrets(refusing_http, capsys):
+    """FailureReport prints the first line of each failed rank's error, which a library wrote with the URL
+    whole (fsspec's FileNotFoundError, from the server that refuses everything), handed over as Ray Train
+    does: a UserExceptionWithTraceback holding the exception and its traceback's text."""
+    import fsspec
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from clsys.engine.failures import FailureReport
+
+    failures = {}
+    for rank, url in enumerate(secret_urls(refusing_http)):
+        try:
+            fsspec.open(url).open()
+        except FileNotFoundError as err:
+            failures[rank] = UserExceptionWithTraceback(err, traceback.format_exc())
+    FailureReport().after_exception(None, failures)
+    printed = capsys.readouterr().out
+    assert printed.count("failed: FileNotFoundError: ") == 4 and f"http://***@{refusing_http}/dumps/" in printed
+    assert_no_secret(printed)
+
+
+def test_the_files_written_of_a_config_hold_no_url_secret(refusing_http, tmp_path):
+    """What clsys writes of a run's config for others to read, from a config whose URLs carry each kind of
+    secret (the shards, the checkpoint resumed, the run root, an export's checkpoint): <run>/config.yaml,
+    TensorBoard's Text and HParams panels, and the model card. Each file still names the URLs, redacted."""
+    from clsys.engine.launch import save_config
+    from clsys.metrics.health import TensorBoard
+    from clsys.model.card import write_card
+    from clsys.recipes import load_config
+
+    urls = secret_urls(refusing_http)
+    cfg = load_config(None, [f"data.url={urls[0]}", f"train.resume={urls[1]}", f"train.run_root={urls[2]}"])
+    save_config(cfg, str(tmp_path / "run"))
+    board = TensorBoard(str(tmp_path / "tensorboard"))
+    board.config(cfg, "stsb-en-dev_spearman")
+    board.close()
+    (tmp_path / "export").mkdir()
+    write_card(str(tmp_path / "export"), {"checkpoint": urls[3], "chosen": "the given step folder", "step": 4,
+                                          "objective": "simcse", "pooling": "cls", "pooler": "trained"}, cfg.to_dict())
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == 3, files  # config.yaml, one event file, README.md
+    for path in files:
+        written = path.read_bytes().decode("latin-1")
+        assert_no_secret(written)
+        assert f"http://***@{refusing_http}/dumps/" in written and "X-Amz-Signature=***" in written, path
+    assert "?token=***#***" in (tmp_path / "export" / "README.md").read_text()

@@ -3,10 +3,12 @@
 A pre-tokenized stream's samples carry an ``ids`` member, the tokens of their ``txt`` without special
 tokens, and its manifest names the tokenizer: ``{"name", "fingerprint", "max_tokens"}``. Collate then
 only frames, pads and stacks ids, producing exactly the tensors the tokenizer would for the same text,
-and training refuses a stream whose fingerprint is not its tokenizer's.
+and training refuses a stream whose fingerprint is not its tokenizer's, ids in a stream whose manifest names
+no tokenizer, and ids outside the tokenizer's vocabulary (the loader's reader, ``Shard.ids_vocab``).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.shards.reader import Shard, read_shard
 
 # The parts of a fast tokenizer's backend JSON that decide the ids of a text. Left out: the version,
 # the decoder (ids -> text only), and truncation/padding, which every call with truncation=True or
@@ -41,6 +44,19 @@ def check_stream_tokenizer(stream: str, recorded: dict, name: str, tokenizer, ma
     if recorded["max_tokens"] < needed:
         raise ValueError(f"{stream}: ids are cut at {recorded['max_tokens']} tokens, but data.max_length "
                          f"{max_length} keeps up to {needed}; re-run data_prep tokenize with --max-tokens {needed}")
+
+
+def refuse_unvouched_ids(stream: str, first: Shard) -> None:
+    """Refuse (ValueError) a stream whose manifest names no tokenizer when its first sample has token ids: no
+    fingerprint vouches for them, and collate would train on them whatever the text says. Only the first shard is
+    read here, at start-up; the loader refuses such ids in any shard (``Shard.ids_vocab``)."""
+    # Bad data is left for the loader to report or skip, as data.on_bad_sample says.
+    sample = next(read_shard(first, verify=False, skipped=collections.Counter()), None)
+    if sample is not None and "ids" in sample:
+        raise ValueError(f"{stream}: its samples have token ids ({first.url}, sample {sample['__key__']}), but its "
+                         f"manifest names no tokenizer (data_prep tokenize records one, with its fingerprint): ids "
+                         f"that no fingerprint vouches for are not trained on; re-run python -m data_prep tokenize, "
+                         f"or train on the text stream")
 
 
 class SentenceBatcher:

@@ -43,6 +43,7 @@ A state saved under another geometry continues its epoch as ``clsys.data.epoch_l
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import hashlib
 import io
@@ -54,11 +55,13 @@ import pickle
 import random
 import statistics
 import sys
+import threading
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Callable, Iterator, Protocol
+from multiprocessing import forkserver
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -131,6 +134,48 @@ def _worker_start(collate: Callable) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(forkserver_preload(collate))  # heeded by the first loader, which starts it
     return context
+
+
+# How often a loader worker looks whether its trainer is still there (``follow_trainer``): a read of /proc, ~20 µs.
+TRAINER_CHECK_SECONDS = 0.5
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, from Linux's /proc): with the pid it names one process,
+    whatever process later reuses the number. None where there is no such process, or it has exited (a zombie), or
+    no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])  # fields 3 (state) and 22 (starttime)
+
+
+def follow_trainer(trainer: int, started: int | None, worker_id: int) -> None:
+    """A loader worker's start (the DataLoader's ``worker_init_fn``): make the worker and its forkserver end with the
+    trainer, process ``trainer`` started at ``started`` (``process_start``; None: unknown, the worker does not watch).
+
+    Ray restarting a rank, the OOM killer and scancel past its grace period kill the trainer's process alone, and its
+    loader processes ran on: torch's watchdog in a worker watches the worker's parent, which is the forkserver, and
+    the forkserver exits once the write end of its "alive" pipe is closed in every process, but multiprocessing hands
+    each process it starts a copy (so that a worker could start processes of its own through it; ours start none).
+    So the worker closes its copy, and the forkserver ends with the trainer; and a thread exits the worker as soon
+    as the trainer is gone: at once (``os._exit``), as its batches have no reader now and an exit the usual way
+    would wait for its queue's thread, which may be blocked on a full pipe."""
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # None: not started by a forkserver
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    if started is None:
+        return
+
+    def exit_when_the_trainer_is_gone() -> None:
+        while process_start(trainer) == started:
+            time.sleep(TRAINER_CHECK_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_the_trainer_is_gone, name="clsys-follow-trainer", daemon=True).start()
 
 
 def text_lengths(samples: list[dict]) -> list[int]:
@@ -258,17 +303,20 @@ class ShardLoader:
                  seed: int, loader_workers: int = 1, shuffle_buffer: int = 2048, verify: bool = True,
                  on_bad_sample: str = "error", length_group: int = 0,
                  lengths: Callable[[list[dict]], list[int]] = text_lengths, kind: str = "",
-                 max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False, bundle: int | None = None):
+                 max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False, bundle: int | None = None,
+                 vocab_size: int | None = None):
         """``kind``: the stream kind whose json fields every sample must have (``clsys.shards.fields``);
         ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``); ``bundle``: batches a
-        loader worker sends at once (default ``batches_per_transfer``), which changes nothing but the transfer."""
+        loader worker sends at once (default ``batches_per_transfer``), which changes nothing but the transfer;
+        ``vocab_size``: where collate reads the samples' token ids, the tokenizer's number of ids, which they are
+        checked against (``clsys.shards.reader.Shard.ids_vocab``)."""
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
             raise ValueError(f"data.length_group_batches: expected 0 (off) or a number of batches, got {length_group}")
         if max_shard_bytes <= 0:
             raise ValueError(f"data.max_shard_mb: expected a positive size, got {max_shard_bytes} bytes")
-        self.shards = load_shards(stream_url, kind, max_shard_bytes)
+        self.shards = load_shards(stream_url, kind, max_shard_bytes, vocab_size)
         self.rank, self.ranks, self.micro_batch, self.collate = rank, ranks, micro_batch, collate
         self.seed, self.workers, self.shuffle_buffer, self.verify = seed, loader_workers, shuffle_buffer, verify
         self.on_bad_sample, self.length_group, self.lengths = on_bad_sample, length_group, lengths
@@ -390,7 +438,9 @@ class SegmentReader:
             self.bundles = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
                                            generator=torch.Generator(), pin_memory=loader.pin_memory,
                                            prefetch_factor=max(2, math.ceil(prefetch / loader.bundle)),
-                                           multiprocessing_context=loader.worker_start))
+                                           multiprocessing_context=loader.worker_start,
+                                           worker_init_fn=functools.partial(follow_trainer, os.getpid(),
+                                                                            process_start(os.getpid()))))
             grow_result_pipe(self.bundles)
             # A reader is made on the read-ahead thread, before the boundary: there, not on the trainer's thread in
             # the epoch's first steps, each worker's first bundle is read off the pipe and unpickled (2.4-3.5 ms of
@@ -447,6 +497,8 @@ class DataSide(Protocol):
     """What a loader's worker processes run for an objective (its ``DataSpec``, ``clsys.objectives.base``)."""
 
     streams: list[str]
+    tokenizer: Any
+    reads_ids: bool  # whether collate uses the samples' token ids, when they have them
 
     def collate(self, samples: list[dict]) -> dict: ...
 
@@ -461,7 +513,8 @@ def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSid
     d = cfg.data
     return ShardLoader(storage.join(d.url, stream), rank, world, cfg.micro_batch, data.collate, cfg.train.seed,
                        d.loader_workers, d.shuffle_buffer, d.verify_checksums, d.on_bad_sample, d.length_group_batches,
-                       data.sample_lengths, stream_kind(stream), d.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu)
+                       data.sample_lengths, stream_kind(stream), d.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu,
+                       vocab_size=len(data.tokenizer) if data.reads_ids else None)
 
 
 def rank_loader(cfg: Config, rank: int, world: int, data: DataSide):

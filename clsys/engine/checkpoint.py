@@ -11,13 +11,15 @@ Layout, one folder per step:
         COMPLETE               written last, by rank 0, after every rank has uploaded: SHA256SUMS's sha256
 Written by ``clsys.engine.checkpoint_writer`` (in the background while training goes on, by default).
 Resume takes the newest folder with a COMPLETE marker, so a crash while writing leaves the
-previous checkpoint as the one resumed from. Every rank checks that SHA256SUMS is the list COMPLETE
-seals, that it lists every file of the folder (but the markers and ``universal/``) and the files the
-format requires (``required_files``), and the files it downloads against it; when a rank finds a
-problem and an older checkpoint passes the same checks, the damaged one is set aside (its COMPLETE
-marker replaced by a CORRUPT file naming the bad files) and training resumes from the older one. A
-checkpoint of before the seal (an empty COMPLETE) gets every check but the seal's. Older complete
-checkpoints beyond ``train.keep_checkpoints`` are deleted only after the new one is complete.
+previous checkpoint as the one resumed from. Every rank checks the fields of clsys_state.json it reads
+(``checked_state``), that SHA256SUMS is the list COMPLETE seals, that it lists every file of the folder
+(but the markers and ``universal/``) and the files the format requires (``REQUIRED_FILES``,
+``missing_rank_files``), and the files it downloads against it; when a rank finds a problem and an
+older checkpoint passes the same checks, the damaged one is set aside (its COMPLETE marker replaced by
+a CORRUPT file naming the bad files) and training resumes from the older one. A checkpoint of before
+the seal (an empty COMPLETE) gets every check but the seal's. Every file is unpickled with
+``weights_only`` (``weights_only_loads``). Older complete checkpoints beyond
+``train.keep_checkpoints`` are deleted only after the new one is complete.
 
 Elastic resume (a different number of ranks than wrote the checkpoint): a ZeRO stage-0 checkpoint holds
 the whole state in one file and loads as it is; for the others rank 0 converts ``ds/`` to a
@@ -30,14 +32,16 @@ position is remapped by the loader (``clsys.data.streaming``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import pickle
 import random
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from clsys import storage
 from clsys.storage import integrity
 from clsys.engine.deepspeed import plain_data_parallel
+from clsys.model.folder import COUNT, POSITIVE, SHOWN, TEXT, CheckpointError, Kind, checked_record
 from clsys.storage.integrity import SEAL, SUMS
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
@@ -64,14 +69,23 @@ def _deepspeed_record_classes() -> list:
 
 
 @contextlib.contextmanager
-def weights_only_loads():
+def weights_only_loads(local: str = "", url: str = ""):
     """Every ``torch.load`` inside, DeepSpeed's own included (which ask for ``weights_only=False``), reads
     tensors, plain containers and DeepSpeed's record classes only: a checkpoint on shared storage is
-    data, and unpickling it must never run code from it."""
+    data, and unpickling it must never run code from it. A file that holds anything else is refused with
+    a CheckpointError naming it (as it is at ``url`` where it was downloaded to the folder ``local``)."""
     real_load = torch.load
 
-    def load(*args, **kwargs):
-        return real_load(*args, **{**kwargs, "weights_only": True})
+    def load(f, *args, **kwargs):
+        try:
+            return real_load(f, *args, **{**kwargs, "weights_only": True})
+        except pickle.UnpicklingError:
+            name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
+            if local and name.startswith(local.rstrip("/") + "/"):
+                name = url + name[len(local.rstrip("/")):]
+            raise CheckpointError(f"{name}: refused: it holds more than tensors, plain containers and DeepSpeed's "
+                                  f"records, which torch.load(weights_only=True) does not unpickle (that could run "
+                                  f"code from the file)") from None
 
     torch.load = load
     try:
@@ -154,18 +168,43 @@ def listed_apart(rel: str) -> bool:
     return rel.startswith((f"{RANK_MARKERS}/", f"{UNIVERSAL}/"))
 
 
-def required_files(state: dict) -> dict[str, str]:
-    """The files a checkpoint with ``state`` (its clsys_state.json) must list, as
-    ``integrity.listing_problems`` takes them: the state, every rank's state file and DeepSpeed's model
-    states, plus, unless it keeps the whole state in one file (``_whole_state``), every rank's optimizer
-    partition (``bf16_`` in front in DeepSpeed's bf16 optimizer)."""
-    ranks = range(int(state["world_size"]))
-    required = {"clsys_state.json": r"clsys_state\.json", "ds/*model_states.pt": r"ds/(.+_)?mp_rank_\d+_model_states\.pt"}
-    required.update({f"rank-{rank:05d}.pt": rf"rank-{rank:05d}\.pt" for rank in ranks})
+# The files every checkpoint holds, as ``integrity.listing_problems`` takes them (each rank's: ``missing_rank_files``).
+REQUIRED_FILES = {"clsys_state.json": r"clsys_state\.json",
+                  "ds/*model_states.pt": r"ds/(.+_)?mp_rank_\d+_model_states\.pt"}
+ZERO_STAGE = Kind("0, 1, 2 or 3", lambda value: value in (0, 1, 2, 3) and COUNT.holds(value), optional=True)
+# The fields of clsys_state.json that resume reads (export reads more: clsys.export), and what each holds.
+STATE_FIELDS = {"world_size": POSITIVE, "step": COUNT, "precision": replace(TEXT, optional=True),
+                "config.train.zero_stage": ZERO_STAGE}
+
+
+def checked_state(state: object, source: str) -> dict:
+    """A checkpoint's clsys_state.json (``source`` names it) once the fields resume reads are what clsys
+    writes (``STATE_FIELDS``): CheckpointError naming the field otherwise (a wrong type used to end in a
+    traceback on every rank)."""
+    return checked_record(state, STATE_FIELDS, source)
+
+
+def missing_rank_files(state: dict, sums: dict[str, str]) -> list[str]:
+    """The files of its ranks that a checkpoint's SHA256SUMS (``sums``) does not list, as
+    ``integrity.listing_problems`` says them: every rank's state file, plus, unless the checkpoint keeps the
+    whole state in one file (``_whole_state``), every rank's optimizer partition (``bf16_`` in front in
+    DeepSpeed's bf16 optimizer). The ranks listed are counted, not matched one pattern per rank: a world size of
+    200000 in a hostile clsys_state.json took seconds and gave an error line of 10 MB; now the first ``SHOWN``
+    missing are named and the others counted."""
+    world = state["world_size"]
+    kinds = [("rank-{:05d}.pt", "rank-NNNNN.pt", r"rank-(\d{5})\.pt")]
     if not _whole_state(state):
-        required.update({f"ds/*zero_pp_rank_{rank}_*optim_states.pt":
-                         rf"ds/(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_optim_states\.pt" for rank in ranks})
-    return required
+        kinds.append(("ds/*zero_pp_rank_{}_*optim_states.pt", "ds/*zero_pp_rank_N_*optim_states.pt",
+                      r"ds/(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt"))
+    problems = []
+    for name, names, pattern in kinds:
+        listed = {int(match.group(1)) for rel in sums if (match := re.fullmatch(pattern, rel))}
+        missing = world - len({rank for rank in listed if rank < world})
+        first = itertools.islice((rank for rank in range(world) if rank not in listed), SHOWN)
+        problems += [f"{name.format(rank)}: required, not listed in {SUMS}" for rank in first]
+        if missing > SHOWN:
+            problems.append(f"{names} of {missing - SHOWN} more ranks: required, not listed in {SUMS}")
+    return problems
 
 
 def _uncovered(url: str, sums: dict[str, str], apart: Callable[[str], bool], required: dict[str, str]) -> list[str]:
@@ -242,15 +281,16 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     rank, local = dist.get_rank(), tempfile.mkdtemp(prefix="clsys-restore-")
     sums, state, problems = None, {}, []
     try:
-        storage.download_file(storage.join(url, "clsys_state.json"), os.path.join(local, "clsys_state.json"))
+        state_url = storage.join(url, "clsys_state.json")
+        storage.download_file(state_url, os.path.join(local, "clsys_state.json"))
         with open(os.path.join(local, "clsys_state.json"), "rb") as f:
-            state = storage.parse_json(f.read(), storage.join(url, "clsys_state.json"))
+            state = checked_state(storage.parse_json(f.read(), state_url), state_url)
         # A SHA256SUMS file damaged or deleted after the fact reads as "recorded, but wrong or missing".
         sums = recorded_sums(url, required="sums" in state)
         if sums is not None:
-            problems = (_uncovered(url, sums, listed_apart, required_files(state))
+            problems = (_uncovered(url, sums, listed_apart, REQUIRED_FILES) + missing_rank_files(state, sums)
                         + integrity.differences(local, sums, lambda rel: rel == "clsys_state.json"))
-    except (storage.StorageError, integrity.IntegrityError) as err:
+    except (storage.StorageError, integrity.IntegrityError, CheckpointError) as err:
         problems = [str(err)]
     problems = _agreed(problems)
     universal = not problems and state["world_size"] != world and not _whole_state(state)
@@ -260,7 +300,7 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
         shutil.rmtree(local, ignore_errors=True)
         return None, problems
 
-    saved = int(state["world_size"])
+    saved = state["world_size"]
     rank_file = f"rank-{rank if saved == world else 0:05d}.pt"
     try:
         if not universal:
@@ -283,7 +323,7 @@ def _fetch(url: str, world: int) -> tuple[Fetched | None, list[str]]:
     if problems:
         shutil.rmtree(local, ignore_errors=True)
         return None, problems
-    return Fetched(url, int(state["step"]), saved, local, rank_file, universal, _saved_zero_stage(state)), []
+    return Fetched(url, state["step"], saved, local, rank_file, universal, _saved_zero_stage(state)), []
 
 
 def _whole_state(state: dict) -> bool:
@@ -330,11 +370,11 @@ def load(engine, fetched: Fetched, world_size: int) -> dict:
     state (all ranks stand at the same position) and no RNG state.
     """
     try:
-        with weights_only_loads():
+        with weights_only_loads(fetched.folder, fetched.url):
             path, _ = engine.load_checkpoint(fetched.folder, tag="ds")
-        if path is None:
-            raise RuntimeError(f"{fetched.url}: DeepSpeed could not load the checkpoint")
-        rank_state = torch.load(os.path.join(fetched.folder, fetched.rank_file), weights_only=True)
+            if path is None:
+                raise RuntimeError(f"{fetched.url}: DeepSpeed could not load the checkpoint")
+            rank_state = torch.load(os.path.join(fetched.folder, fetched.rank_file))
     finally:
         shutil.rmtree(fetched.folder, ignore_errors=True)
     if fetched.saved_world != world_size:

@@ -1,5 +1,6 @@
-"""Periodic evaluation during training (``eval.*``): STS dev, XQuAD / Tatoeba retrieval, the token-similarity
-heatmap, logged to TensorBoard and the console at step 0, every ``eval.every`` steps and the last step.
+"""Periodic evaluation during training (``eval.*``): STS dev, XQuAD / Tatoeba retrieval, retrieval over a BEIR
+folder (``eval.retrieval_dev``), the token-similarity heatmap, logged to TensorBoard and the console at step 0,
+every ``eval.every`` steps and the last step.
 
 Collective: every rank runs the same forwards (under ZeRO-3 each forward gathers the partitioned weights
 collectively, so all ranks must run them in step; under ZeRO 0-2 the other ranks would only wait for rank 0
@@ -29,6 +30,15 @@ def dev_set(cfg: Config):
     return dev
 
 
+def retrieval_dev_set(cfg: Config):
+    """``eval.retrieval_dev``'s corpus and the queries of its ``eval.retrieval_split``; None when unset."""
+    from clsys.eval.beir import load_beir, resolve_beir
+
+    if not cfg.eval.retrieval_dev:
+        return None
+    return load_beir(resolve_beir(cfg.eval.retrieval_dev), cfg.eval.retrieval_split)
+
+
 class Evaluator:
     """What ``eval.*`` asks for, loaded once; ``metric``: the score that selects the best checkpoint, or None."""
 
@@ -37,8 +47,13 @@ class Evaluator:
         self.dev_set = dev_set(cfg)
         if self.dev_set is not None and self.dev_set.note and rank == 0:
             print(f"[clsys] eval.sts_dev {cfg.eval.sts_dev}: {self.dev_set.note}", flush=True)
-        self.metric = selected_metric(cfg, self.dev_set.name if self.dev_set is not None else None)
-        self.wanted = self.dev_set is not None or bool(cfg.eval.heatmap_text or cfg.eval.xling or cfg.eval.tatoeba)
+        self.retrieval_set = retrieval_dev_set(cfg)
+        if self.retrieval_set is not None and self.retrieval_set.note and rank == 0:
+            print(f"[clsys] eval.retrieval_dev {cfg.eval.retrieval_dev}: {self.retrieval_set.note}", flush=True)
+        self.metric = selected_metric(cfg, self.dev_set.name if self.dev_set is not None else None,
+                                      self.retrieval_set.name if self.retrieval_set is not None else None)
+        self.wanted = self.dev_set is not None or self.retrieval_set is not None or bool(
+            cfg.eval.heatmap_text or cfg.eval.xling or cfg.eval.tatoeba)
 
     def due(self, step: int) -> bool:
         return self.wanted and (step % self.cfg.eval.every == 0 or step == self.cfg.train.steps)
@@ -66,8 +81,10 @@ class Evaluator:
 
     def retrieval(self) -> dict[str, float]:
         """XQuAD question→paragraph retrieval (bi-encoder, and re-ranked by the objective's scorer when it
-        has one) and Tatoeba bitext accuracy, as flat TensorBoard tags."""
+        has one), Tatoeba bitext accuracy and the retrieval dev set's scores, as flat TensorBoard tags."""
+        from clsys.eval.beir import evaluate_beir
         from clsys.eval.retrieval import evaluate_tatoeba, evaluate_xquad, parse_articles
+        from clsys.model.folder import source_max_seq_length
 
         objective, e = self.objective, self.cfg.eval
         encoder, tokenizer = objective.encoder(), objective.tokenizer
@@ -82,4 +99,10 @@ class Evaluator:
         for pair in e.tatoeba:
             scores.update({f"tatoeba_{pair}_{k}": v for k, v in evaluate_tatoeba(encoder, tokenizer, pair, e.pooling,
                                                                                    e.batch_size).items() if k != "n"})
+        if self.retrieval_set is not None:
+            # Documents are read as far as the export will declare (its sentence_bert_config.json max_seq_length),
+            # without prefixes (an export declares none): the last step's figures are the CLI's on the export.
+            result = evaluate_beir(encoder, tokenizer, self.retrieval_set, e.pooling, e.batch_size,
+                                   source_max_seq_length(self.cfg.model.name, encoder.config))
+            scores.update({f"{self.retrieval_set.name}_{k}": v for k, v in result.items() if k != "n"})
         return scores

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ray.train import UserCallback
 
+from clsys import storage
+
 
 class FailureReport(UserCallback):
     def __init__(self) -> None:
@@ -22,9 +24,10 @@ class FailureReport(UserCallback):
     def after_exception(self, run_context, worker_exceptions) -> None:
         for rank, error in sorted(worker_exceptions.items()):
             # A worker's error arrives wrapped with its traceback as its text (Ray Train's
-            # UserExceptionWithTraceback, which keeps the exception itself in _base_exc): name that one.
+            # UserExceptionWithTraceback, which keeps the exception itself in _base_exc): name that one. A
+            # library's message may quote a URL whole, secrets and all.
             cause = getattr(error, "_base_exc", error)
-            lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+            lines = [line.strip() for line in storage.redact(str(cause)).splitlines() if line.strip()]
             line = f"[clsys] rank {rank} failed: {type(cause).__name__}: {lines[0] if lines else ''}"
             if line not in self.reported:
                 self.reported.add(line)

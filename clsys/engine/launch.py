@@ -127,5 +127,7 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
 
 
 def save_config(cfg: Config, run: str) -> None:
-    """The resolved config, as a recipe, at ``<run>/config.yaml``: what this start of the run uses."""
-    storage.write_bytes(storage.join(run, "config.yaml"), cfg.to_yaml().encode())
+    """The resolved config, as a recipe, at ``<run>/config.yaml``: what this start of the run uses, its URLs
+    without their secrets (a recipe is shared; nothing resumes from it: a URL's secret comes from the command
+    line again, or from the filesystem's configuration)."""
+    storage.write_bytes(storage.join(run, "config.yaml"), storage.redact(cfg.to_yaml()).encode())

@@ -180,10 +180,12 @@ class Trainer:
         return resume.step
 
     def checkpoint_meta(self) -> dict:
-        """What every checkpoint records of the run, for export and resume."""
+        """What every checkpoint records of the run, for export and resume (its config's URLs without their
+        secrets: neither reads one back)."""
         cfg = self.cfg
         return {"world_size": self.world, "objective": cfg.objective.name, **self.objective.export_spec().to_meta(),
-                "precision": self.precision, "config": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
+                "precision": self.precision, "config": storage.redact_values(cfg.to_dict()),
+                "fingerprint": cfg.fingerprint()}
 
     def run(self) -> None:
         cfg = self.cfg

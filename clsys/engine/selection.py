@@ -22,6 +22,7 @@ from clsys.engine import checkpoint
 
 BEST_RECORD = "best.json"
 STS_DEV = "sts_dev"  # eval.select's alias for the dev STS set's Spearman, whatever the set is called
+RETRIEVAL_DEV = "retrieval_dev"  # eval.select's alias for the eval.retrieval_dev set's nDCG@10, likewise
 
 
 @dataclass
@@ -33,9 +34,11 @@ class BestCheckpoint:
     checkpoint: str  # the step folder's URL
 
 
-def selected_metric(cfg: Config, dev_set_name: str | None) -> str | None:
-    """The metric eval.select names, as the evaluation logs it (the dev STS set's is
-    ``<name>_spearman``); None when selection is off."""
+def selected_metric(cfg: Config, dev_set_name: str | None, retrieval_set_name: str | None = None) -> str | None:
+    """The metric eval.select names, as the evaluation logs it (the dev STS set's is ``<name>_spearman``, the
+    retrieval dev set's ``<name>_ndcg@10``); None when selection is off."""
+    if cfg.eval.select == RETRIEVAL_DEV:  # the config check makes sure eval.retrieval_dev is set
+        return f"{retrieval_set_name}_ndcg@10"
     if cfg.eval.select != STS_DEV:
         return cfg.eval.select or None
     return f"{dev_set_name}_spearman" if dev_set_name else None

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from clsys import storage
+
 # Peak dense bf16 tensor-core TFLOP/s per device, by a substring of torch.cuda.get_device_name(); the
 # first match wins, so more specific names come first. From NVIDIA's data sheets (without sparsity).
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4),
@@ -108,12 +110,13 @@ class TensorBoard:
 
     def config(self, cfg, metric: str | None) -> None:
         """The run's resolved config: as YAML in the Text panel, and its scalar keys in the HParams panel,
-        with ``metric`` (an ``eval/...`` tag this run logs) as the column to compare runs by."""
+        with ``metric`` (an ``eval/...`` tag this run logs) as the column to compare runs by. Event files
+        are shared and uploaded: the config's URLs go in without their secrets."""
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer.add_text("config", "```yaml\n" + cfg.to_yaml() + "```", 0)
+        self.writer.add_text("config", "```yaml\n" + storage.redact(cfg.to_yaml()) + "```", 0)
 
         def flat(values: dict, prefix: str = "") -> dict:
             out = {}
@@ -125,7 +128,8 @@ class TensorBoard:
             return out
 
         # hparams() only, not SummaryWriter.add_hparams, which opens a second run folder for the panel.
-        for summary in hparams(flat(cfg.to_dict()), {f"eval/{metric}": float("nan")} if metric else {}):
+        metrics = {f"eval/{metric}": float("nan")} if metric else {}
+        for summary in hparams(flat(storage.redact_values(cfg.to_dict())), metrics):
             self.writer.file_writer.add_summary(summary)
 
     def image(self, tag: str, png: bytes, step: int) -> None:

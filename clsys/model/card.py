@@ -18,7 +18,9 @@ EVALUATION_HEADING = "## Evaluation"
 
 def write_card(folder: str, record: dict, config: dict) -> None:
     """README.md in the local export ``folder``; ``record`` is clsys_export.json's content, ``config``
-    the run's resolved config (``Config.to_dict()``)."""
+    the run's resolved config (``Config.to_dict()``). The card is published with the model: a URL in either
+    (the checkpoint's, the shards') is written without its secrets, also from a checkpoint that recorded them."""
+    record, config = storage.redact_values(record), storage.redact_values(config)
     model, train, data, optim = config["model"], config["train"], config["data"], config["optim"]
     base = model["name"] if model["init"] == "pretrained" else f"{model['name']} (architecture only, from scratch)"
     front = {"library_name": "sentence-transformers", "pipeline_tag": "sentence-similarity",

@@ -2,25 +2,30 @@
 
 The encoder's Hugging Face weights (with a pooler for architectures that have one: ``with_pooler``) and its
 tokenizer, the sentence-transformers modules after the Transformer (``write_sentence_transformers``), optionally a
-reranker, and ``publish``: the finished folder put in place of an earlier export, whole or not at all. Used by
-``python -m clsys.export`` (a checkpoint → a folder) and by a recipe's own export in its training workers; it reads
-no checkpoint (``ExportSpec``, what an objective exports, is written into checkpoints by the engine and read back by
-``clsys.export``).
+reranker, and ``publish``: the finished folder put in place of an earlier export (and of nothing else), whole or
+not at all. Used by ``python -m clsys.export`` (a checkpoint → a folder) and by a recipe's own export in its
+training workers; it reads no checkpoint (``ExportSpec``, what an objective exports, is written into checkpoints by
+the engine and read back by ``clsys.export``), but says how a field of a checkpoint's record is checked as it is
+read (``record_field``, ``CheckpointError``), for ``ExportSpec`` and for the engine's readers alike.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from clsys import storage
+from clsys.config import choices
 from clsys.storage import integrity
-from clsys.model.encoder import encoder_from_config, pooler_weights, with_global_attention
+from clsys.model.encoder import Pooling, encoder_from_config, pooler_weights, with_global_attention
 from clsys.model.loading import POOLER_MODEL_TYPES, resolve_model_path
 
 
@@ -98,6 +103,71 @@ def _versions() -> dict[str, str]:
     return out
 
 
+class CheckpointError(ValueError):
+    """A checkpoint's record (its clsys_state.json) or one of its files is not what clsys writes; the message
+    names the field or the file. Whoever can write a checkpoint's storage can write its checksums too."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a field of a checkpoint's record holds: as an error says it, and the test of a value."""
+
+    says: str
+    holds: Callable[[object], bool]
+    optional: bool = False  # absent (or null) is no error: a checkpoint of an older clsys may not record it
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is no count
+
+
+INTEGER = Kind("an integer", _integer)
+POSITIVE = Kind("a positive integer", lambda value: _integer(value) and value >= 1)
+COUNT = Kind("an integer >= 0", lambda value: _integer(value) and value >= 0)
+NUMBER = Kind("a number", lambda value: isinstance(value, (int, float)) and not isinstance(value, bool))
+# Names, paths and URLs, which are written into lines and tables (the model card's): no line breaks or other
+# control characters.
+TEXT = Kind("a string of printable characters", lambda value: isinstance(value, str) and value.isprintable())
+NAME_MAP = Kind("a mapping of names to names", lambda value: isinstance(value, dict) and all(
+    TEXT.holds(name) and TEXT.holds(key) for name, key in value.items()), optional=True)
+EXPORT_POOLINGS = (*typing.get_args(Pooling), "cls_mlp")  # what ExportSpec.pooling may be
+POOLING = Kind(choices(EXPORT_POOLINGS), lambda value: isinstance(value, str) and value in EXPORT_POOLINGS)
+
+
+def record_field(record: object, name: str, kind: Kind, source: str):
+    """The value of the field ``name`` (dotted: inside its sections) of a checkpoint's ``record`` (``source``
+    names it) once it is of ``kind`` (None where it is optional and absent); else CheckpointError naming the
+    field, on one short line whatever the value."""
+    value, path = record, []
+    for part in name.split("."):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{': '.join([source, '.'.join(path)] if path else [source])}: expected a "
+                                  f"mapping, got {_shown(value)}")
+        path.append(part)
+        value = value.get(part)
+        if value is None:
+            if kind.optional:
+                return None
+            raise CheckpointError(f"{source}: {name}: missing")
+    if not kind.holds(value):
+        raise CheckpointError(f"{source}: {name}: expected {kind.says}, got {_shown(value)}")
+    return value
+
+
+def checked_record(record: object, fields: dict[str, Kind], source: str) -> dict:
+    """``record`` (a checkpoint's clsys_state.json, ``source`` naming it) once each of ``fields`` is of its kind
+    (``record_field``): what a reader of it reads, so that a hostile or damaged one fails there, by name."""
+    for name, kind in fields.items():
+        record_field(record, name, kind, source)
+    return typing.cast(dict, record)
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error shows it: its repr (one line), cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}…"
+
+
 @dataclass(frozen=True)
 class ExportSpec:
     """What an objective's trained weights export as (``Objective.export_spec``), recorded in every checkpoint.
@@ -122,18 +192,33 @@ class ExportSpec:
                 "export_head_map": self.head_map, "export_reranker_map": self.reranker_map}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> ExportSpec:
-        """The spec a checkpoint recorded (one written before the maps were recorded has none)."""
-        return cls(meta["export_pooling"], meta["encoder_prefix"], meta.get("export_head_map", {}),
-                   meta.get("export_reranker_map", {}))
+    def from_meta(cls, meta: dict, source: str = "clsys_state.json") -> ExportSpec:
+        """The spec a checkpoint recorded (one written before the maps were recorded has none), its fields
+        checked (``record_field``; ``source`` names the record): the pooling is one export writes, which a
+        path with a model card's table row in it was not."""
+        return cls(record_field(meta, "export_pooling", POOLING, source),
+                   record_field(meta, "encoder_prefix", TEXT, source),
+                   record_field(meta, "export_head_map", NAME_MAP, source) or {},
+                   record_field(meta, "export_reranker_map", NAME_MAP, source) or {})
 
     def encoder_weights(self, state: dict) -> dict:
         """The exported encoder's state dict, from the objective's ``state``: the encoder's own weights, plus the
         heads ``head_map`` maps into it."""
         prefix = self.encoder_prefix + "."
         weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        weights.update({name: state[key] for name, key in self.head_map.items()})
+        weights.update(mapped(state, self.head_map, "export_head_map"))
         return weights
+
+
+def mapped(state: dict, names: dict[str, str], field_name: str) -> dict:
+    """Exported parameter name → the objective's weight, for ``names`` (``ExportSpec``'s map ``field_name``: a
+    name → its key in ``state``); CheckpointError naming the map and the key it lacks."""
+    missing = [(name, key) for name, key in names.items() if key not in state]
+    if missing:
+        name, key = missing[0]
+        raise CheckpointError(f"{field_name}: {name}: no weight {_shown(key)} in the checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return {name: state[key] for name, key in names.items()}
 
 
 def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
@@ -194,41 +279,82 @@ def write_reranker(folder: str, weights: dict, state: dict, reranker_map: dict[s
     model = with_global_attention(AutoModelForSequenceClassification.from_config(
         config.__class__.from_dict({**config.to_dict(), "num_labels": 2})))
     full = {f"{model.base_model_prefix}.{k}": v for k, v in weights.items()}
-    full.update({name: state[key] for name, key in reranker_map.items()})
+    full.update(mapped(state, reranker_map, "export_reranker_map"))
     _save_filled(model, full, folder, tokenizer_dir, "reranker")
 
 
-RECORD = "clsys_export.json"
-# The record every clsys export holds: clsys.export's, or a recipe's classifier's (python -m clsys.classify).
-EXPORT_RECORDS = (RECORD, "classifier.json")
+RECORD = "clsys_export.json"  # what clsys.export records of the checkpoint it exported
+SHOWN = 5  # how many of many files an error names (the others counted): it stays one short line
 
 
 def check_replaceable(out: str) -> None:
-    """Refuse (FileExistsError naming it) an ``out`` that ``publish`` must not replace: anything but an
-    empty folder, nothing, or a clsys export (one of ``EXPORT_RECORDS`` at its top). ``--out ~/models``
-    or ``--out .`` used to be deleted whole."""
+    """Refuse (FileExistsError naming it and the files it would lose) an ``out`` that ``publish`` must not
+    replace: anything but nothing, an empty folder, or a folder as ``publish`` left it, that is one whose
+    SHA256SUMS, sealed in its COMPLETE, lists every file it holds with its sha256 (but those an exported
+    folder's own check lets through, ``integrity.model_file_apart``: the model card and hidden files).
+    ``--out ~/models`` or ``--out .`` used to be deleted whole; then any folder holding a
+    ``classifier.json`` or ``clsys_export.json`` at its top: a thesis beside one, files a user added to an
+    export. A file of the export's that is missing is no reason to refuse: nothing of it would be lost.
+    Every file is read (on object storage, downloaded) to compare its sha256."""
     target = storage.parse(out)
     if storage.is_local(out) and os.path.lexists(target.path) and not os.path.isdir(target.path):
         raise FileExistsError(f"{out}: not a folder: refusing to replace it with an export; choose another --out")
-    if storage.is_local(out):
-        names = os.listdir(target.path) if os.path.isdir(target.path) else []
-    else:
-        names = [rel for _, rel in storage.list_relative(out)]
-    if names and not set(names) & set(EXPORT_RECORDS):
-        raise FileExistsError(f"{out}: not a clsys export (it holds no {' or '.join(EXPORT_RECORDS)}) and not "
-                              f"empty: refusing to replace it; choose another --out")
+    names = [rel for _, rel in storage.list_relative(out)]
+    if not names:
+        return
+    seal = storage.read_bytes(storage.join(out, integrity.SEAL)) if integrity.SEAL in names else b""
+    if integrity.SUMS not in names or not seal:
+        # A list no COMPLETE seals could be anyone's (``sha256sum * > SHA256SUMS``); clsys leaves one where an
+        # upload to object storage was cut short (see publish), or wrote one before it sealed its lists.
+        why = (f"its {integrity.SUMS} sealed by no {integrity.SEAL}: an upload cut short, or an export of a clsys "
+               f"of before the seal? then delete it first" if integrity.SUMS in names
+               else f"no {integrity.SUMS} sealed by a {integrity.SEAL}")
+        raise FileExistsError(f"{out}: not a clsys export ({why}): refusing to replace it, which would lose "
+                              f"{_some(names)}; choose another --out")
+    try:
+        sums = integrity.sealed_sums(storage.read_bytes(storage.join(out, integrity.SUMS)), seal, out)
+    except integrity.IntegrityError as err:
+        raise FileExistsError(f"{err}: not a clsys export as it was written: refusing to replace it, which would "
+                              f"lose {_some(names)}; choose another --out") from None
+    unlisted = [rel for rel in names if rel not in sums and rel not in (integrity.SUMS, integrity.SEAL)
+                and not integrity.model_file_apart(rel)]
+    changed = [rel for rel in names if rel in sums and _stored_sha256(storage.join(out, rel)) != sums[rel]]
+    lost = [f"{what}: {_some(rels)}" for what, rels in ((f"files not listed in its {integrity.SUMS}", unlisted),
+                                                          ("files changed since it was written", changed)) if rels]
+    if lost:
+        raise FileExistsError(f"{out}: a clsys export with files that are not its own: refusing to replace it, which "
+                              f"would lose {'; '.join(lost)}; choose another --out, or move them out of it")
+
+
+def _some(names: list[str]) -> str:
+    """The first ``SHOWN`` of ``names``, and how many more: a refusal stays one line."""
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def _stored_sha256(url: str) -> str:
+    """The sha256 of the file or object ``url``, read as a stream (an export's weights may be large)."""
+    digest = hashlib.sha256()
+    with storage.open_read(url) as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def publish(folder: str, out: str) -> None:
-    """Put the finished local ``folder`` at ``out`` in place of what ``check_replaceable`` lets it replace.
+    """Seal the finished local ``folder`` (its SHA256SUMS, of every file but the model card, in its COMPLETE:
+    the check every reader of an exported folder makes, and what lets a later ``publish`` replace it) and put
+    it at ``out`` in place of what ``check_replaceable`` lets it replace.
 
     On a filesystem the folder is copied to a temporary folder beside ``out`` and renamed to it (the
     previous export renamed aside just before, deleted just after): a copy that fails leaves the
     previous export as it was and nothing beside it. Object storage (s3://) has no rename: the previous
     export's COMPLETE is deleted first, then its objects the new export lacks, and the new files are
-    uploaded with COMPLETE last, so that an upload cut short leaves a folder without COMPLETE.
+    uploaded with COMPLETE last, so that an upload cut short leaves a folder without COMPLETE (which no
+    reader takes for an export, and a later ``publish`` refuses to replace: it could be anyone's).
     """
     check_replaceable(out)
+    integrity.write_folder_sums(folder, skip=lambda rel: rel == integrity.MODEL_CARD)
     target = storage.parse(out)
     if not storage.is_local(out):
         storage.delete(storage.join(out, integrity.SEAL))

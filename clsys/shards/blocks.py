@@ -1,8 +1,8 @@
 """Shard format 2 (``clsys-shards/2``): a tar sample is a *block* of many records (sentences, passages).
 
 Format 1 stored each sentence as a sample of its own: two tar members, ~2 KiB of headers and padding around
-~140 bytes of text (15× the text). A block stores up to ``ShardWriter.block_records`` records in three
-members, still a plain WebDataset sample that any tar reader opens:
+~140 bytes of text (15× the text). A block stores up to ``ShardWriter.block_records`` records (at most
+``MAX_BLOCK_RECORDS``) in three members, still a plain WebDataset sample that any tar reader opens:
 
 - ``KEY.txt``: the records' texts, one per line (UTF-8). A text never holds a line feed: the writer refuses one.
 - ``KEY.json``: ``{"records": N, "constant": {field: value}, "columns": {field: [N values]}}``: a record's
@@ -17,11 +17,19 @@ shard's ``samples`` (records) and ``blocks`` (tar samples).
 """
 from __future__ import annotations
 
+import array
 import json
 import struct
-from typing import Any, NamedTuple
+import sys
+from typing import Any, Iterator, NamedTuple
+
+from clsys.shards.names import clip
 
 FORMAT_V2 = "clsys-shards/2"
+# The most records a block may hold: 64 times data_prep's 256 (data_prep wiki --block-records). A record can
+# take a single byte of a block (an empty text is a line feed), so a block's size does not bound its records
+# while they are built: an 8 KB .tar.gz counting 4,000,000 records took 1.86 GiB of a loader worker.
+MAX_BLOCK_RECORDS = 1 << 14
 RECORD_OVERHEAD = 16  # bytes a record adds to its block besides its text (line feed, metadata), roughly:
 # what the writer's shuffle window counts a record as, with its text's length
 
@@ -59,6 +67,8 @@ def block_members(records: list[Record]) -> dict[str, bytes]:
     position in the block) that a block cannot hold."""
     if not records:
         raise ValueError("a block holds at least one record")
+    if len(records) > MAX_BLOCK_RECORDS:
+        raise ValueError(f"a block holds at most {MAX_BLOCK_RECORDS:,} records, not {len(records):,}")
     fields = records[0].meta.keys()
     for i, record in enumerate(records):
         if "\n" in record.text:
@@ -86,40 +96,70 @@ def block_members(records: list[Record]) -> dict[str, bytes]:
 
 
 def record_count(meta: Any) -> int:
-    """The records a block's json says it holds; ``BlockError`` when it is not a block's json."""
+    """The records a block's json says it holds; ``BlockError`` when it is not a block's json, or counts more
+    records than a block holds."""
     count = meta.get("records") if isinstance(meta, dict) else None
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise BlockError("its json is not a block's: 'records' must be a whole number >= 1")
+    if count > MAX_BLOCK_RECORDS:
+        raise BlockError(f"its json counts {count:,} records, more than a block holds ({MAX_BLOCK_RECORDS:,})")
     return count
 
 
-def split_block(key: str, text: str, meta: Any, ids: bytes | None) -> list[dict[str, Any]]:
+def decoded_bytes(meta: dict, count: int, stored: int) -> int:
+    """What the ``count`` records of a block whose members take ``stored`` bytes take decoded: each record
+    gets its own copy of the block's constant fields (a column's values are shared out, a text or ids row
+    is one record's), so a few bytes of json can make every record of a block a large object."""
+    constant = meta.get("constant")
+    if not isinstance(constant, dict) or count == 1:
+        return stored  # not a block's json (split_block says why) or a block of one record: nothing copied
+    return stored + (count - 1) * len(json.dumps(constant, ensure_ascii=False, separators=(",", ":")))
+
+
+def split_block(key: str, text: str, meta: Any, ids: bytes | None) -> Iterator[dict[str, Any]]:
     """The records of block ``key`` (its decoded txt and json, its ids member's bytes or None) as the loader's
-    samples: ``{"__key__": "KEY/i", "txt", "json"[, "ids"]}``. ``BlockError`` says what disagrees."""
+    samples: ``{"__key__": "KEY/i", "txt", "json"[, "ids"]}``. The block is checked whole here (``BlockError``
+    says what disagrees); its records are then built one at a time, as they are read: a block's decoded
+    records can take many times its bytes (``decoded_bytes``)."""
     count = record_count(meta)
     constant, columns = meta.get("constant"), meta.get("columns")
     if not isinstance(constant, dict) or not isinstance(columns, dict):
         raise BlockError("its json needs 'constant' and 'columns' objects")
     for name, column in columns.items():
         if not isinstance(column, list) or len(column) != count:
-            raise BlockError(f"column '{name}' is not a list of {count} values, one per record")
+            raise BlockError(f"column '{clip(name)}' is not a list of {count} values, one per record")
     texts = text.split("\n")
     if len(texts) != count:
         raise BlockError(f"its txt has {len(texts)} lines, its json says {count} records")
-    rows = _ids_rows(meta, ids, count)
-    records = []
+    lengths = _ids_lengths(meta, ids, count)
+    return _records(key, texts, constant, columns, None if lengths is None else _int32s(ids), lengths)
+
+
+def _records(key: str, texts: list[str], constant: dict, columns: dict, ids: array.array | None,
+             ids_lengths: list[int] | None) -> Iterator[dict[str, Any]]:
+    start = 0  # the next record's first id in ``ids``
     for i, line in enumerate(texts):
         record_meta = dict(constant)
         for name, column in columns.items():
             record_meta[name] = column[i]
         record = {"__key__": f"{key}/{i}", "txt": line, "json": record_meta}
-        if rows is not None:
-            record["ids"] = rows[i]
-        records.append(record)
-    return records
+        if ids_lengths is not None:
+            record["ids"] = ids[start:start + ids_lengths[i]].tolist()
+            start += ids_lengths[i]
+        yield record
 
 
-def _ids_rows(meta: dict, ids: bytes | None, count: int) -> list[list[int]] | None:
+def _int32s(data: bytes) -> array.array:
+    """An ids member's int32s in one array: 4 bytes an id until a record's are taken out, where a list of all
+    of a block's ids would take ~9 times that (a pointer and an int object each)."""
+    values = array.array("i", data)  # C int: 32 bits wherever clsys runs
+    if sys.byteorder == "big":
+        values.byteswap()  # the member is little-endian (encode_ids)
+    return values
+
+
+def _ids_lengths(meta: dict, ids: bytes | None, count: int) -> list[int] | None:
+    """Each record's number of token ids, once checked against the block's ids member; None: no ids."""
     lengths = meta.get("ids_lengths")
     if ids is None and lengths is None:
         return None
@@ -130,9 +170,4 @@ def _ids_rows(meta: dict, ids: bytes | None, count: int) -> list[list[int]] | No
         raise BlockError(f"'ids_lengths' is not a list of {count} whole numbers >= 0")
     if len(ids) != 4 * sum(lengths):
         raise BlockError(f"its ids member holds {len(ids)} bytes, 'ids_lengths' says {sum(lengths)} int32 ids")
-    values = decode_ids(ids)
-    rows, start = [], 0
-    for n in lengths:
-        rows.append(values[start:start + n])
-        start += n
-    return rows
+    return lengths

@@ -7,9 +7,9 @@ KeyError or AttributeError in a loader worker that names neither.
 
 A stream's kind is the first part of its name under ``data.url`` (``stream_kind``), which the objective
 reading it gives (``clsys.data.streaming.stream_loader``): ``sentences`` (SimCSE, SG, a retrieval recipe's corpus), ``documents`` (TaCL),
-``triplets`` (supervised SimCSE), ``clir/<pair>`` (CLIR). Every sample's json is an object; a kind adds
-the fields its objective reads. Fields not listed are neither checked nor read. A foreign stream's
-samples (``data_prep manifest``) have no metadata: their json is ``{}``.
+``triplets`` (supervised SimCSE), ``clir/<pair>`` (CLIR), ``pairs/<source>`` (query-passage pairs). Every
+sample's json is an object; a kind adds the fields its objective reads. Fields not listed are neither checked
+nor read. A foreign stream's samples (``data_prep manifest``) have no metadata: their json is ``{}``.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ SAMPLE_FIELDS: dict[str, dict[str, Spec]] = {
     "sentences": {},  # the text alone
     "documents": {"lang": IfPresent(str)},  # TaCL's NSP re-splits a passage by its language (default en)
     "triplets": {"anchor": str, "positive": str, "negative": str},  # data_prep triplets
+    # data_prep pairs (pairs/<source>): the txt is the query; data_prep writes "" for no instruction
+    "pairs": {"positive": str, "negatives": ListOf(str), "source": str, "instruction": IfPresent(str)},
     "clir": {"pair_id": str,  # data_prep align: a query is drawn from one side's sentences, the document is the other's
              "sides": ListOf({"lang": str, "sentences": ListOf(str, 1), "hard_negatives": ListOf(str)}, 2, 2)},
 }

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from clsys import storage
 from clsys.shards.blocks import FORMAT_V2
+from clsys.shards.names import clip
 from clsys.storage import StorageError
 
 FORMAT = "clsys-shards/1"  # a tar sample per record; what foreign streams' manifests say too
@@ -64,6 +65,30 @@ def shard_name_problem(name: str) -> str | None:
     return None
 
 
+def repeated_shards(stream_url: str, shards: list[dict]) -> Iterator[tuple[int, int, str]]:
+    """(i, j, how) for each entry ``j`` of a manifest's ``shards`` that lists the shard an earlier entry ``i``
+    lists: the same URL once resolved (a file name and its stream folder's URL for it, that URL spelled
+    otherwise, a symbolic link to it) or a copy of it (the same sha256; empty shards aside, which hold no sample
+    to repeat). Every epoch would hold its samples twice: in contrastive training, negatives of themselves."""
+    urls: dict[str, int] = {}
+    shas: dict[str, int] = {}
+    for j, shard in enumerate(shards):
+        url = str(storage.parse(shard_url(stream_url, shard["name"])))
+        if url in urls:
+            yield urls[url], j, f"both are {clip(url)}"
+        elif shard["samples"] and shard["sha256"] in shas:
+            yield shas[shard["sha256"]], j, f"both hold sha256 {shard['sha256']}"
+        urls.setdefault(url, j)
+        if shard["samples"]:
+            shas.setdefault(shard["sha256"], j)
+
+
+def repeated_shard_problem(shards: list[dict], i: int, j: int, how: str) -> str:
+    """What ``repeated_shards`` found, as errors say it."""
+    return (f"shards[{j}] ({clip(shards[j]['name'])!r}) is shards[{i}] ({clip(shards[i]['name'])!r}) again ({how}): "
+            "every epoch would hold its samples twice")
+
+
 def text_member_problem(ext: str) -> str | None:
     """Why ``ext`` cannot name a foreign stream's text member (``data_prep manifest --text-member``,
     ``foreign.text_member``), or None: an extension, and not one clsys decodes as something else."""
@@ -105,7 +130,7 @@ def _rule(rule: Callable[[str], str | None]) -> Callable[[Any], str | None]:
         if not isinstance(value, str):
             return _text(value)
         problem = rule(value)
-        return problem and f"is {value!r}: {problem}"
+        return problem and f"is {clip(value)!r}: {problem}"
     return check
 
 
@@ -143,7 +168,8 @@ def read_manifest(stream_url: str) -> dict:
     ``blocks``; counts are whole numbers >= 0, sha256 64 lowercase hex digits); shard names follow ``shard_name_problem``
     (file names in the stream folder, or absolute URLs: ``shard_url``). A pre-tokenized stream's ``tokenizer``
     (name, fingerprint, max_tokens) is checked against the training tokenizer; a foreign stream's
-    ``foreign.text_member`` names the member holding each sample's text.
+    ``foreign.text_member`` names the member holding each sample's text. No shard is listed twice
+    (``repeated_shards``).
     """
     url = storage.join(stream_url, MANIFEST)
     manifest = storage.read_json(url)
@@ -157,10 +183,12 @@ def read_manifest(stream_url: str) -> dict:
     required = {**_SHARD, **_SHARD_V2} if manifest["format"] == FORMAT_V2 else _SHARD
     for i, shard in enumerate(manifest["shards"]):
         _check_fields(url, f"shards[{i}]", shard, _SHARD_NAME)
-        _check_fields(url, f"shards[{i}]", shard, required, _SHARD_OPTIONAL, f" (shard {shard['name']!r})")
+        _check_fields(url, f"shards[{i}]", shard, required, _SHARD_OPTIONAL, f" (shard {clip(shard['name'])!r})")
     for section, fields in _SECTIONS.items():
         if section in manifest:
             _check_fields(url, section, manifest[section], fields)
+    if (repeated := next(repeated_shards(stream_url, manifest["shards"]), None)) is not None:
+        raise StorageError(f"{url}: {repeated_shard_problem(manifest['shards'], *repeated)}")
     total = sum(s["samples"] for s in manifest["shards"])
     if total != manifest["samples"]:
         raise StorageError(f"{url}: manifest field 'samples' is {manifest['samples']} but the shards hold {total}")

@@ -14,19 +14,25 @@ JSON and int32: nothing is ever unpickled.
   their size and sha256 are checked.
 
 A shard's tar may take at most ``max_bytes`` in memory (``data.max_shard_mb``, 1 GiB by default: 16 times
-data_prep's 64 MiB shards): a compressed one is decompressed as a stream that stops just past it (a few
-hundred KiB of gzip can hold a GiB of zeros). Members must be plain regular files: tarfile counts GNU
-sparse members as regular, at sizes that reach into the members after them. A sample's ``json`` must
-hold what its stream kind's objective reads (``clsys.shards.fields``).
+data_prep's 64 MiB shards), and so may what is stored: it is read as a stream that stops just past the limit
+(a manifest need not list a shard's size, and may name what has none: ``file:///dev/zero``), and a compressed
+one decompressed as another (a few hundred KiB of gzip can hold a GiB of zeros). Members must be plain regular
+files: tarfile counts GNU sparse members as regular, at sizes that reach into the members after them. A
+sample's ``json`` must hold what its stream kind's objective reads (``clsys.shards.fields``).
 
 A format 2 shard's samples are blocks of records (``clsys.shards.blocks``), which ``read_shard`` yields record
 by record: their number (the manifest's ``blocks``) and the records their json counts (its ``samples``) are
-checked with the rest of the shard. A block whose members disagree is one bad sample (``undecodable``), a
-record whose metadata lacks its stream kind's fields one more (``missing_fields``).
+checked with the rest of the shard, and so is each block's count (at most ``MAX_BLOCK_RECORDS``) and what its
+records take decoded (at most ``max_bytes``: each has its own copy of the block's constant fields); then a block's
+records are built one at a time, as they are yielded. A block whose members disagree is one bad sample
+(``undecodable``), a record whose metadata lacks its stream kind's fields one more (``missing_fields``). A format 1
+manifest over format 2 shards (whose blocks it would read as samples of many texts) makes them ``corrupt``.
 
 Reasons a shard or sample is bad (what ``data.on_bad_sample: skip`` counts): ``checksum``,
 ``truncated``, ``corrupt``, ``unsafe``, ``too_large`` (a whole shard), ``undecodable``, ``missing_fields``
-(one sample: a member, or a json field its stream kind needs, is missing or of the wrong type).
+(one sample: a member, or a json field its stream kind needs, is missing or of the wrong type), and where training
+reads token ids (``Shard.ids_vocab``) ``unsafe`` for ids the manifest names no tokenizer for and ``ids_out_of_range``
+(one sample, or a block: an id outside the training tokenizer's vocabulary).
 """
 from __future__ import annotations
 
@@ -37,19 +43,20 @@ import io
 import json
 import tarfile
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from clsys import storage
-from clsys.shards.blocks import FORMAT_V2, BlockError, decode_ids, record_count, split_block
+from clsys.shards.blocks import FORMAT_V2, BlockError, decode_ids, decoded_bytes, record_count, split_block
 from clsys.shards.fields import fields_problem
-from clsys.shards.manifest import read_manifest, shard_url
+from clsys.shards.manifest import FORMAT, read_manifest, shard_url
+from clsys.shards.names import clip
 
 
 SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
 FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has (ids is optional)
 COMPRESSED = (".tar.gz", ".tgz")  # shard names read as gzip-compressed tars
 MAX_SHARD_BYTES = 1 << 30  # data.max_shard_mb's default
-_GUNZIP_CHUNK = 1 << 20  # bytes decompressed at a time
+_READ_CHUNK = 1 << 20  # bytes read (or decompressed) at a time
 # What tar members may be: regular files alone (tarfile's isfile() also takes CONTTYPE and GNU sparse ones).
 _PLAIN_FILE = (tarfile.REGTYPE, tarfile.AREGTYPE)
 _MEMBER_TYPES = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.DIRTYPE: "a folder",
@@ -59,7 +66,10 @@ _MEMBER_TYPES = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard li
 
 class ShardError(RuntimeError):
     """Bad data: a shard or sample that cannot be trusted; the message names the shard, the member or
-    sample, and the reason."""
+    sample, and the reason, never a secret the shard's URL holds (as StorageError's)."""
+
+    def __init__(self, message: str):
+        super().__init__(storage.redact(message))
 
 
 class BadData(Exception):
@@ -81,16 +91,23 @@ class Shard:
     kind: str = ""  # the stream kind whose json fields each sample must have (clsys.shards.fields); "": an object
     max_bytes: int = MAX_SHARD_BYTES  # the most bytes its tar may take in memory, decompressed
     blocks: int | None = None  # format 2: its tar samples, blocks of ``samples`` records in all; None: format 1
+    # When training reads the samples' token ids: the number of ids of its tokenizer, each id must be below it.
+    # 0: the manifest names no tokenizer whose fingerprint would vouch for the ids, so a sample with ids is bad.
+    # None: ids are read as they are (nothing trains on them).
+    ids_vocab: int | None = None
 
 
-def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTES) -> list[Shard]:
+def load_shards(stream_url: str, kind: str = "", max_bytes: int = MAX_SHARD_BYTES,
+                vocab_size: int | None = None) -> list[Shard]:
     """The shards a stream's manifest lists (``read_manifest`` checked every field), to be read as a ``kind``
-    stream with tars of at most ``max_bytes``."""
+    stream with tars of at most ``max_bytes``; ``vocab_size``: the training tokenizer's number of ids when training
+    reads the samples' ids (``Shard.ids_vocab``), which only a manifest naming a tokenizer can vouch for."""
     manifest = read_manifest(stream_url)
     text_member = manifest["foreign"]["text_member"] if "foreign" in manifest else None
     blocked = manifest["format"] == FORMAT_V2
+    ids_vocab = vocab_size if vocab_size is None or "tokenizer" in manifest else 0
     return [Shard(shard_url(stream_url, s["name"]), s["samples"], s["sha256"], s.get("bytes", 0), text_member,
-                  kind, max_bytes, s["blocks"] if blocked else None) for s in manifest["shards"]]
+                  kind, max_bytes, s["blocks"] if blocked else None, ids_vocab) for s in manifest["shards"]]
 
 
 def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
@@ -101,9 +118,9 @@ def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
             for info in tar:
                 if info.type not in _PLAIN_FILE or info.issparse():
                     what = "a sparse file" if info.issparse() else _MEMBER_TYPES.get(info.type, "of another type")
-                    raise BadData("corrupt", f"member {info.name} is {what}, not a regular file")
+                    raise BadData("corrupt", f"member {clip(info.name)} is {what}, not a regular file")
                 if info.offset_data + info.size > len(data):
-                    raise BadData("truncated", f"member {info.name}: the shard ends inside it")
+                    raise BadData("truncated", f"member {clip(info.name)}: the shard ends inside it")
                 members.append((info.name, info.offset_data, info.size))
             end = tar.offset
     except tarfile.TarError as err:
@@ -111,7 +128,7 @@ def _tar_members(data: bytes) -> list[tuple[str, int, int]]:
     # tarfile stops quietly at a header it cannot parse (a bad checksum, a cut), so check that only
     # the zero blocks of the end-of-archive marker follow the last member.
     if data[end:].strip(b"\0"):
-        after = f"after member {members[-1][0]}" if members else "at the start"
+        after = f"after member {clip(members[-1][0])}" if members else "at the start"
         reason = "truncated" if len(data) - end < tarfile.BLOCKSIZE else "corrupt"
         raise BadData(reason, f"unreadable tar header at byte {end} ({after})")
     return members
@@ -128,49 +145,100 @@ def _check_shard(shard: Shard, data: bytes, verify: bool) -> tuple[bytes, list[t
     tar = untar_bytes(shard.url, data, shard.max_bytes)
     samples = sample_members(tar, shard.text_member)
     if shard.blocks is None:
+        if problem := format2_block(tar):
+            raise BadData("corrupt", problem)
         if len(samples) != shard.samples:
             raise BadData("corrupt", f"{len(samples)} samples, the manifest says {shard.samples}")
         return tar, samples
     if len(samples) != shard.blocks:
         raise BadData("corrupt", f"{len(samples)} blocks, the manifest says {shard.blocks}")
-    records = sum(_block_records(key, members, tar) for key, members in samples)
+    records = sum(_block_records(key, members, tar, shard.max_bytes) for key, members in samples)
     if records != shard.samples:
         raise BadData("corrupt", f"its blocks hold {records} records, the manifest says {shard.samples}")
     return tar, samples
 
 
-def _block_records(key: str, members: dict[str, tuple[int, int]], tar: bytes) -> int:
-    """The records a format 2 block's json counts; a block without a readable count makes its shard bad."""
+def _block_records(key: str, members: dict[str, tuple[int, int]], tar: bytes, max_bytes: int) -> int:
+    """The records a format 2 block's json counts; a block without a readable count, or whose records would
+    take more than ``max_bytes`` decoded, makes its shard bad."""
     if "json" not in members:
-        raise BadData("corrupt", f"block {key} has no .json member")
+        raise BadData("corrupt", f"block {clip(key)} has no .json member")
     offset, size = members["json"]
     try:
-        return record_count(json.loads(tar[offset:offset + size]))
+        meta = json.loads(tar[offset:offset + size])
+        count = record_count(meta)
     except (ValueError, BlockError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BadData("corrupt", f"block {key}: {err}") from None
+        raise BadData("corrupt", f"block {clip(key)}: {err}") from None
+    decoded = decoded_bytes(meta, count, sum(size for _, size in members.values()))
+    if decoded > max_bytes:
+        raise BadData("too_large", f"block {clip(key)}: its {count:,} records take {decoded:,} bytes decoded (every "
+                                   f"one its own copy of the block's constant fields), more than {_limit(max_bytes)}")
+    return count
+
+
+def format2_block(tar: bytes) -> str | None:
+    """Why a tar read as format 1 (``clsys-shards/1``: a data_prep stream's or a foreign one's) cannot be, or
+    None: its first sample is a format 2 block, a json that counts N records and a txt of N lines, which format 1
+    would read as one sample of N texts. The first sample tells: shards of one stream are of one format, and a
+    block read as a sample is a mistake (a manifest of the wrong format), not a danger."""
+    first_key, first = None, {}  # the first sample's key and its txt and json members
+    with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as archive:  # its structure is checked: sample_members
+        for info in archive:
+            key, ext = _key_ext(info.name)
+            if first_key is not None and key != first_key:
+                break
+            first_key = key
+            if ext in ("txt", "json"):
+                first[ext] = tar[info.offset_data:info.offset_data + info.size]
+    try:
+        meta = json.loads(first["json"])
+        count = record_count(meta)
+    except (KeyError, ValueError, BlockError):  # no json, or not a block's
+        return None
+    blocked = isinstance(meta.get("constant"), dict) and isinstance(meta.get("columns"), dict)
+    if not blocked or "txt" not in first or first["txt"].count(b"\n") + 1 != count:
+        return None
+    return (f"sample {clip(first_key)} is a block of {count:,} records of {FORMAT_V2}, which a {FORMAT} manifest "
+            f"reads as one sample: read these shards with the manifest data_prep wrote with them")
+
+
+def read_stored(url: str, max_bytes: int = MAX_SHARD_BYTES) -> bytes:
+    """A shard's bytes as stored, read as a stream that stops one chunk past ``max_bytes`` (``too_large``): a
+    manifest need not list a shard's size, and what it names need not have one (``file:///dev/zero``)."""
+    # No end for the stream: an S3 ranged GET that starts past an empty object's end fails (HTTP 416), and a
+    # shard's bad bytes are bad data, not a storage error.
+    with storage.open_read(url) as stream:
+        data = _read_within(stream, max_bytes)
+    if data is None:
+        raise BadData("too_large", f"more than {_limit(max_bytes)} stored")
+    return data
 
 
 def untar_bytes(url: str, data: bytes, max_bytes: int = MAX_SHARD_BYTES) -> bytes:
-    """The tar inside a shard as stored, of at most ``max_bytes``: gunzipped for a ``.tar.gz``/``.tgz`` name,
-    a chunk at a time, stopping at the first byte past the limit."""
+    """The tar inside a shard as stored (``read_stored``), of at most ``max_bytes``: gunzipped for a
+    ``.tar.gz``/``.tgz`` name, stopping at the first chunk past the limit."""
     if not url.endswith(COMPRESSED):
-        if len(data) > max_bytes:
-            raise BadData("too_large", f"{len(data)} bytes, more than {_limit(max_bytes)}")
-        return data
-    chunks: list[bytes] = []
-    size = 0
+        return data  # read_stored held it to max_bytes
     try:
         with gzip.GzipFile(fileobj=io.BytesIO(data)) as stream:
-            while chunk := stream.read(min(_GUNZIP_CHUNK, max_bytes + 1 - size)):
-                chunks.append(chunk)
-                size += len(chunk)
+            tar = _read_within(stream, max_bytes)
     except EOFError as err:
         raise BadData("truncated", f"the gzip stream ends early ({err})") from None
     except OSError as err:  # gzip.BadGzipFile, zlib.error
         raise BadData("corrupt", f"unreadable gzip ({err})") from None
-    if size > max_bytes:
+    if tar is None:
         raise BadData("too_large", f"the tar inside is larger than {_limit(max_bytes)}")
-    return b"".join(chunks)
+    return tar
+
+
+def _read_within(stream: BinaryIO, max_bytes: int) -> bytes | None:
+    """What ``stream`` holds, read a chunk at a time; None once it has given more than ``max_bytes``."""
+    # A BytesIO hands back its own buffer, resized in place, where joining a list of chunks would copy them:
+    # the data is held once at the end, not twice.
+    out = io.BytesIO()
+    while chunk := stream.read(min(_READ_CHUNK, max_bytes + 1 - out.tell())):
+        out.write(chunk)
+    return None if out.tell() > max_bytes else out.getvalue()
 
 
 def _limit(max_bytes: int) -> str:
@@ -188,21 +256,18 @@ def sample_members(tar: bytes, text_member: str | None = None, extensions: colle
     samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
     seen: set[str] = set()  # the current sample's extensions, skipped ones included
     for name, offset, size in _tar_members(tar):
-        # WebDataset's convention: the key is the path up to the first dot of the file name, and
-        # consecutive members with the same key make one sample.
-        folder, slash, base = name.rpartition("/")
-        stem, dot, ext = base.partition(".")
-        key = folder + slash + stem
-        if read is None and not dot:
-            raise BadData("corrupt", f"member {name} has no extension")
+        # Consecutive members with the same key make one sample.
+        key, ext = _key_ext(name)
+        if read is None and "." not in name.rpartition("/")[2]:
+            raise BadData("corrupt", f"member {clip(name)} has no extension")
         if read is None and ext not in SAFE_EXTENSIONS:
-            raise BadData("unsafe", f"sample {key} has a '.{ext}' member; only {', '.join(SAFE_EXTENSIONS)} "
-                                   f"are decoded (never pickles)")
+            raise BadData("unsafe", f"sample {clip(key)} has a '.{clip(ext)}' member; only "
+                                   f"{', '.join(SAFE_EXTENSIONS)} are decoded (never pickles)")
         if not samples or samples[-1][0] != key:
             samples.append((key, {}))
             seen = set()
         if ext in seen:
-            raise BadData("corrupt", f"member {name} appears twice in its sample")
+            raise BadData("corrupt", f"member {clip(name)} appears twice in its sample")
         seen.add(ext)
         if extensions is not None:
             extensions[ext] += 1
@@ -211,13 +276,22 @@ def sample_members(tar: bytes, text_member: str | None = None, extensions: colle
     return samples
 
 
-def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: Shard) -> list[dict[str, Any]]:
-    """The samples of one tar sample: itself (format 1), or its block's records (format 2)."""
+def _key_ext(name: str) -> tuple[str, str]:
+    """A tar member's sample key and extension, by WebDataset's convention: the key is the path up to the first
+    dot of the file name, the extension what follows it."""
+    folder, slash, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return folder + slash + stem, ext
+
+
+def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: Shard) -> Iterable[dict[str, Any]]:
+    """The samples of one tar sample: itself (format 1), or its block's records (format 2), each built as it
+    is taken."""
     text_member = shard.text_member
     required = (text_member,) if text_member else FIELDS
     missing = [f".{f}" for f in required if f not in members]
     if missing:
-        raise BadData("missing_fields", f"sample {key} has no {', '.join(missing)} member")
+        raise BadData("missing_fields", f"sample {clip(key)} has no {', '.join(missing)} member")
     # A foreign sample's text is its txt; it has no metadata clsys knows (other tools' json means other things).
     decoded: dict[str, Any] = {"__key__": key} if text_member is None else {"__key__": key, "json": {}}
     for ext, (offset, size) in members.items():
@@ -228,19 +302,45 @@ def _decode(key: str, members: dict[str, tuple[int, int]], data: bytes, shard: S
         try:
             decoded[field] = SAFE_EXTENSIONS[field](data[offset:offset + size])
         except ValueError as err:  # UnicodeDecodeError, JSONDecodeError and decode_ids's all are
-            raise BadData("undecodable", f"sample {key}: its .{ext} member cannot be decoded ({err})") from None
+            raise BadData("undecodable", f"sample {clip(key)}: its .{ext} member cannot be decoded ({err})") from None
     if shard.blocks is None:
-        return [decoded]
-    try:
-        return split_block(key, decoded["txt"], decoded["json"], decoded.get("ids"))
-    except BlockError as err:
-        raise BadData("undecodable", f"block {key}: {err}") from None
+        samples = [decoded]
+    else:
+        try:
+            samples = split_block(key, decoded["txt"], decoded["json"], decoded.get("ids"))
+        except BlockError as err:
+            raise BadData("undecodable", f"block {clip(key)}: {err}") from None
+    if "ids" in members and shard.ids_vocab is not None:
+        offset, size = members["ids"]
+        _check_ids(samples, data[offset:offset + size], shard.ids_vocab)
+    return samples
+
+
+def _check_ids(samples: Iterable[dict[str, Any]], ids: bytes, vocab: int) -> None:
+    """Refuse token ids that training would take as they are (``Shard.ids_vocab``) but cannot: ids that no
+    tokenizer fingerprint vouches for, and ids outside the vocabulary, which the embedding lookup would fail on
+    with no shard named (on a GPU, a device-side assert that ends the process). ``ids``: the member of the tar
+    sample (one sample, or a block of records), checked at once; the first bad sample is named."""
+    import numpy as np  # here: what reads shards without training on ids (data_prep manifest) does without it
+
+    if vocab == 0:
+        first = next(iter(samples))  # a block's records are built as they are taken: this one is raised with
+        raise BadData("unsafe", f"sample {clip(first['__key__'])} has token ids, but the stream's manifest names no "
+                                f"tokenizer (data_prep tokenize records its fingerprint): ids that no fingerprint "
+                                f"vouches for are not trained on")
+    values = np.frombuffer(ids, "<i4")  # whole int32s: decoding checked that
+    if values.size == 0 or (values.min() >= 0 and values.max() < vocab):
+        return
+    sample = next(s for s in samples if any(not 0 <= i < vocab for i in s["ids"]))
+    bad = next(i for i in sample["ids"] if not 0 <= i < vocab)
+    raise BadData("ids_out_of_range", f"sample {clip(sample['__key__'])}: token id {bad} is outside the training "
+                                      f"tokenizer's vocabulary (ids 0 to {vocab - 1})")
 
 
 def _fields_fault(sample: dict[str, Any], shard: Shard) -> BadData | None:
     if problem := fields_problem(shard.kind, sample["json"]):
         foreign = " (a foreign stream's samples have no metadata: their json is {})" if shard.text_member else ""
-        return BadData("missing_fields", f"sample {sample['__key__']}: {problem}{foreign}")
+        return BadData("missing_fields", f"sample {clip(sample['__key__'])}: {problem}{foreign}")
     return None
 
 
@@ -254,15 +354,14 @@ def read_shard(shard: Shard, verify: bool = True,
     """
     def bad(fault: BadData) -> None:
         if skipped is None:
-            raise ShardError(f"{shard.url}: {fault}")
+            raise ShardError(f"{clip(shard.url)}: {fault}")
         skipped[fault.reason] += 1
 
     if shard.size > shard.max_bytes:  # never read
         bad(BadData("too_large", f"{shard.size} bytes, more than {_limit(shard.max_bytes)}"))
         return
-    data = storage.read_bytes(shard.url)
     try:
-        tar, samples = _check_shard(shard, data, verify)
+        tar, samples = _check_shard(shard, read_stored(shard.url, shard.max_bytes), verify)
     except BadData as fault:
         bad(fault)
         return

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, NoReturn
 
 from clsys import storage
-from clsys.shards.blocks import FORMAT_V2, RECORD_OVERHEAD, Record, block_members
+from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS, RECORD_OVERHEAD, Record, block_members
 from clsys.shards.manifest import FORMAT, MANIFEST, ShardInfo
 from clsys.storage import StorageError
 
@@ -159,6 +159,11 @@ class ShardWriter:
     # Finished shards still being published, oldest first, and the threads that publish them.
     _publishing: collections.deque[Future] = field(default_factory=collections.deque, init=False, repr=False)
     _publisher: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_records > MAX_BLOCK_RECORDS:  # before any input is read: every block would be refused
+            raise ValueError(f"block_records {self.block_records:,}: a block holds at most {MAX_BLOCK_RECORDS:,} "
+                             "records (readers refuse larger ones)")
 
     @property
     def samples(self) -> int:

@@ -26,18 +26,21 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from clsys.storage.redaction import redact
+from clsys.storage.redaction import redact, redact_values
 from clsys.storage import local
 from clsys.storage.base import Location, StorageError, discard_staged
 from clsys.storage.s3_client import forget_clients as forget_s3_clients, s3_client
-from clsys.storage.urls import backend, is_local, join, parse
+from clsys.storage.urls import backend, is_local, join, overlaps, parse
 
 # The retry limits live in ``storage.base`` alone (read there at each use, so that tests can lower them).
-__all__ = [  # redact: how callers print a URL; s3_client and forget_s3_clients: S3's own calls (buckets, tests)
+# redact, redact_values: how callers print a URL, and write what holds some; s3_client and forget_s3_clients:
+# S3's own calls (buckets, tests)
+__all__ = [
     "Location", "StorageError", "check_bucket", "delete", "discard_staged", "download_dir", "download_file",
     "exists", "forget_s3_clients", "is_local", "join", "json_bytes", "list_prefix", "list_relative", "list_sizes",
-    "open_read", "parallel_writes", "parse", "parse_json", "publish_staged", "read_bytes", "read_json", "redact",
-    "s3_client", "size", "staging_path", "upload_dir", "upload_file", "write_bytes", "write_file", "write_json",
+    "open_read", "overlaps", "parallel_writes", "parse", "parse_json", "publish_staged", "read_bytes", "read_json",
+    "redact", "redact_values", "s3_client", "size", "staging_path", "upload_dir", "upload_file", "write_bytes",
+    "write_file", "write_json",
 ]
 
 

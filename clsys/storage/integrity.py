@@ -136,7 +136,7 @@ def upload_sealed(folder: str, url: str) -> None:
         storage.upload_file(os.path.join(folder, rel), storage.join(url, rel))
 
 
-def _model_file_apart(rel: str) -> bool:
+def model_file_apart(rel: str) -> bool:
     """The files of an exported model folder that its SHA256SUMS need not list: the model card, meant to be
     edited (evaluation tables, a hub's metadata), and hidden files, which come with a hub download or a
     git clone (.gitattributes, .cache/, .git/). No loader reads them as the model."""
@@ -147,7 +147,7 @@ _MODEL_REQUIRED = {"config.json": r"config\.json"}  # what every Hugging Face mo
 
 
 def check_folder(folder: str | os.PathLike, name: str | None = None, recorded: bool = False,
-                 listed_apart: Callable[[str], bool] = _model_file_apart,
+                 listed_apart: Callable[[str], bool] = model_file_apart,
                  required: dict[str, str] = _MODEL_REQUIRED) -> bool:
     """Raise IntegrityError, naming ``name`` (default: the folder) and the bad files, when the local
     ``folder`` fails its SHA256SUMS (see the module's docstring; ``listed_apart`` and ``required`` as

@@ -3,7 +3,8 @@ backend (``backend``)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import posixpath
+from pathlib import Path, PurePosixPath
 
 from clsys.storage.redaction import userinfo_end
 from clsys.storage.base import Backend, Location, StorageError
@@ -47,6 +48,19 @@ def join(url: str, *parts: str) -> str:
     if loc.scheme == "file":
         return f"file://{os.path.join(loc.path, tail)}"
     return f"{loc.scheme}://{loc.bucket}/{loc.path + '/' if loc.path else ''}{tail}"
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether two URLs name the same place or one lies inside the other, however each is spelled: a path or
+    file://, ".", ".." and "//" in it, a trailing "/", a symbolic link on the way; an object store's keys alike
+    (s3://b/x/ is s3://b/x). Writing to the one may then replace or delete what is read from the other."""
+    x, y = parse(a), parse(b)
+    if (x.scheme, x.bucket) != (y.scheme, y.bucket):
+        return False
+    # Keys as paths: with ".", ".." or "//" they would be other objects to a store, but they are no more than
+    # other spellings of one to its users (and to clients that normalise them), so they are taken as the same.
+    x_path, y_path = (PurePosixPath(posixpath.normpath(posixpath.join("/", loc.path))) for loc in (x, y))
+    return x_path.is_relative_to(y_path) or y_path.is_relative_to(x_path)
 
 
 def is_local(url: str) -> bool:

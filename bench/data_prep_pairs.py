@@ -1,0 +1,109 @@
+"""``data_prep pairs`` on a generated JSONL file: input MB/s with 1 and 2 processes, and what dedup costs a pair.
+
+    python bench/data_prep_pairs.py [--mb 75] [--repeat 3] [--work-dir /tmp/pairs-bench]
+
+The input: --mb MB (10^6 bytes) of JSON lines ``{"query", "positive", "negatives": [3]}`` whose texts are
+words drawn with a fixed seed from a vocabulary of 5,000 made-up words (a query 5-15 words, a passage 50-90:
+~2.1 KB a line, about MS MARCO's hard-negative rows), 1% of the lines repeating an earlier one (dropped as
+duplicates); built once and cached in --work-dir. ``python -m data_prep pairs`` runs on it as a subprocess
+with ``--workers 1`` (one process doing everything) and ``--workers 2`` (two parsing processes and the main
+one, which reads the parts, drops duplicates and writes the shards), alternating, --repeat times each; a row
+is the run with the least wall time. Columns: wall seconds, input MB/s, MB/s per process (over the N
+requested), CPU seconds of the whole tree (user + system, ``os.wait4``) and MB per CPU-second, peak RSS of the
+largest process and peak summed PSS of the tree. The runs' manifests must be identical. Then ``ratio
+pairs_2w_over_1w`` (MB/s of 2 processes over 1; the target is ≥ 1.7) and the memory a pair's digest takes in
+the main process's set of seen pairs (tracemalloc over 10^6 digests). Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tracemalloc
+from pathlib import Path
+
+from process_runs import measure  # bench/, beside this script
+
+MB = 10**6
+
+
+def build_input(path: Path, target_bytes: int) -> int:
+    """Write the JSONL input; returns its line count."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocabulary = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 10))) for _ in range(5000)]
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choices(vocabulary, k=rng.randint(lo, hi)))
+
+    lines: list[str] = []
+    size = 0
+    tmp = path.with_suffix(".partial")
+    with open(tmp, "w") as out:
+        while size < target_bytes:
+            if lines and rng.random() < 0.01:
+                line = rng.choice(lines[-1000:])
+            else:
+                line = json.dumps({"query": text(5, 15) + "?", "positive": text(50, 90),
+                                   "negatives": [text(50, 90) for _ in range(3)]}) + "\n"
+            lines.append(line)
+            out.write(line)
+            size += len(line.encode())
+    tmp.rename(path)
+    return len(lines)
+
+
+def digest_bytes(n: int = 10**6) -> float:
+    """Bytes of memory a pair's 16-byte digest takes in a set, as data_prep pairs keeps them."""
+    tracemalloc.start()  # what is live at the end: the digests and the set's table
+    seen = {hashlib.sha256(i.to_bytes(8, "little")).digest()[:16] for i in range(n)}
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(seen) == n
+    return size / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=75.0, help="input size in MB (default: 75)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each process count (default: 3)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/pairs-bench"))
+    args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    path = args.work_dir / f"pairs-{args.mb:g}MB.jsonl"
+    if not path.exists():
+        print(f"building {path} ...", flush=True)
+        build_input(path, int(args.mb * MB))
+    size = path.stat().st_size
+    best: dict[int, object] = {}
+    manifests = set()
+    for _ in range(args.repeat):
+        for workers in (1, 2):
+            out = args.work_dir / f"out-{workers}w"
+            shutil.rmtree(out, ignore_errors=True)
+            run = measure([sys.executable, "-m", "data_prep", "pairs", "--input", str(path), "--out", str(out),
+                           "--workers", str(workers)], out)
+            manifests.add((out / "pairs" / path.stem / "manifest.json").read_text())
+            shutil.rmtree(out)
+            if workers not in best or run.wall_s < best[workers].wall_s:
+                best[workers] = run
+    assert len(manifests) == 1, "the runs' manifests differ"
+    counts = json.loads(manifests.pop())["counts"]
+    print(f"input: {size / MB:.1f} MB, {counts['rows']:,} rows -> {counts['pairs']:,} pairs "
+          f"({counts['duplicates']:,} duplicates dropped); best of {args.repeat}")
+    header = ["procs", "wall s", "MB/s", "MB/s/proc", "CPU s", "MB/CPU-s", "max RSS MB", "tree PSS MB"]
+    print("  ".join(f"{h:>11}" for h in header))
+    for workers, run in best.items():
+        rate = size / MB / run.wall_s
+        row = [workers, f"{run.wall_s:.1f}", f"{rate:.2f}", f"{rate / workers:.2f}", f"{run.cpu_s:.1f}",
+               f"{size / MB / run.cpu_s:.2f}", f"{run.max_rss_mb:.0f}", f"{run.tree_pss_mb:.0f}"]
+        print("  ".join(f"{v:>11}" for v in row))
+    print(f"ratio pairs_2w_over_1w {best[1].wall_s / best[2].wall_s:.2f} (target >= 1.7)")
+    print(f"dedup: {digest_bytes():.0f} bytes of memory a pair (16-byte digests in a set)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,631 @@
+"""What ``data_prep pairs`` reads, and what its workers run: input files → (query, positive, negatives) records.
+
+An input is checked whole before anything is written (``open_input``: its format, its header or schema, its
+default source). It is then cut into *parts* (``read_parts``, run by the main process, or by a streaming Ray
+task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL, CSV or TSV file, one row group
+of a Parquet file (its rows read by the worker itself), record batches of an Arrow IPC file (a Hugging Face
+``save_to_disk`` folder holds such files). A worker (``process_part``) turns a part's rows into records, each
+with the 16-byte digest that the main process drops exact duplicates by, and counts what it skips; the main
+process takes the results in input order, so the output does not depend on the number of workers.
+
+Columns are found by name, case-insensitively (``ROLES``): a query, a positive (a string, or a list of strings
+as in FlagEmbedding's ``{"query", "pos": [...], "neg": [...]}``: one pair per positive), negatives (one column
+holding a list, or string columns ``negative``, ``negative_1`` … ``negative_N``), and optional ``source`` and
+``instruction`` columns. Two columns that mean the same thing are an error naming both.
+
+Memory: a part is at most ``PART_BYTES`` of text (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
+group, or record batches up to ``PART_BYTES``; the main process keeps at most ``2 × workers`` parts in
+flight. Nothing is unpickled that this program did not pickle itself: Arrow IPC is read with pyarrow.
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from clsys.shards.blocks import Record
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
+           ".arrow": "arrow"}
+# Role → its spellings. "negatives" are columns holding a list; "negative" (and negative_1 … negative_N)
+# a string each. A positive column holds a string or a list of strings (FlagEmbedding's "pos").
+ROLES = {"query": ("query", "anchor", "question"), "positive": ("positive", "pos", "document", "passage"),
+         "negatives": ("negatives", "neg"), "negative": ("negative",), "source": ("source",),
+         "instruction": ("instruction", "prompt")}
+NUMBERED_NEGATIVE = re.compile(r"negative_(\d+)\Z")
+# A source names a folder (``pairs/<source>``): one path segment, nothing a shell or URL reads specially.
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
+SOURCE_RULE = "letters, digits, '.', '_' and '-', starting with a letter or a digit, at most 100 characters"
+# Why a row is skipped (``--skip-bad``; without it each is an error). ``unreadable`` counts pieces of input
+# (a file, a Parquet row group, what is left of a file after a read fault), the others rows.
+SKIP_REASONS = ("bad_line", "missing_query", "missing_positive", "wrong_type", "bad_text", "bad_source",
+                "ambiguous_columns", "unreadable")
+PART_BYTES = 1 << 20  # a part of a text file: whole lines, about this much (a worker's task)
+MAX_LINE_BYTES = 64 << 20  # a longer line (or CSV record) stops the run: it cannot be read in parts
+PARQUET_BATCH_ROWS = 4096  # rows decoded at a time from a row group, so a worker holds one batch's objects
+LINE_BREAK = re.compile(r"\r\n?|\n")  # a format 2 text is one line: a query's line breaks become spaces
+MESSAGES_PER_PART = 5  # skipped rows' messages a part reports (the rest are counted)
+_BOM = b"\xef\xbb\xbf"
+
+
+class InputError(Exception):
+    """An input or a row that cannot be used; the message names the file, the line or row, and the column."""
+
+
+class Unreadable(InputError):
+    """An input, or a piece of one, that cannot be read at all (missing, not the format it says, corrupt):
+    with ``--skip-bad`` it is counted (``unreadable``) and the run goes on."""
+
+
+class RowError(Exception):
+    """A row that gives no pair: ``reason`` (one of ``SKIP_REASONS``), the ``column`` at fault (None: the whole
+    line), and the source it names, when it was read before the fault."""
+
+    def __init__(self, reason: str, column: str | None, detail: str, source: str | None = None):
+        super().__init__(f"column '{column}': {detail}" if column else detail)
+        self.reason, self.column, self.source = reason, column, source
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Role → column name(s) of one header (or one JSON object's keys); ``None``: absent."""
+
+    query: str | None
+    positive: str | None
+    negatives: tuple[str, ...]  # one list column, or the string columns negative, negative_1, … in that order
+    negatives_listed: bool  # True: ``negatives`` is one column holding a list
+    source: str | None
+    instruction: str | None
+
+    def names(self) -> list[str]:
+        return [n for n in (self.query, self.positive, *self.negatives, self.source, self.instruction) if n]
+
+
+def match_columns(names: list[str]) -> Columns:
+    """The columns of each role among ``names``; ``RowError("ambiguous_columns")`` names two that mean one thing."""
+    found: dict[str, list[str]] = collections.defaultdict(list)
+    numbered = []
+    for name in names:
+        low = name.lower()
+        role = next((r for r, spellings in ROLES.items() if low in spellings), None)
+        if role is not None:
+            found[role].append(name)
+        elif match := NUMBERED_NEGATIVE.match(low):
+            numbered.append((int(match.group(1)), name))
+    for role, hits in found.items():
+        if len(hits) > 1:
+            raise RowError("ambiguous_columns", None, f"columns {' and '.join(repr(h) for h in hits)} both mean the "
+                           f"{role} ({'/'.join(ROLES[role])}): rename or drop one")
+    strings = found["negative"] + [name for _, name in sorted(numbered)]
+    if found["negatives"] and strings:
+        raise RowError("ambiguous_columns", None, f"column '{found['negatives'][0]}' (a list of negatives) and "
+                       f"{', '.join(repr(s) for s in strings)} (one negative each) both give the negatives: keep one "
+                       "form")
+    one = {role: hits[0] if hits else None for role, hits in found.items()}
+    return Columns(one.get("query"), one.get("positive"), tuple(found["negatives"] or strings),
+                   bool(found["negatives"]), one.get("source"), one.get("instruction"))
+
+
+def header_columns(names: list[str], where: str) -> Columns:
+    """A header's (or schema's) columns: it must have a query and a positive column (every row would lack
+    them), and no two columns of one meaning. ``InputError`` (never skipped) otherwise."""
+    try:
+        columns = match_columns(names)
+    except RowError as err:
+        raise InputError(f"{where}: {err}") from None
+    missing = [f"{role} column ({' / '.join(ROLES[role])})" for role in ("query", "positive")
+               if getattr(columns, role) is None]
+    if missing:
+        raise InputError(f"{where}: no {' and no '.join(missing)}; found: {', '.join(names) or 'nothing'}")
+    return columns
+
+
+@dataclass
+class PairsInput:
+    """One ``--input``, checked: its format, the files read (a ``save_to_disk`` folder's Arrow files), the
+    header and columns of a table or CSV/TSV (JSONL's are each object's keys), its default source."""
+
+    index: int  # its position in --input
+    path: str
+    format: str
+    source: str
+    skip_bad: bool
+    files: tuple[str, ...]
+    size: int  # bytes of its files
+    header: tuple[str, ...] = ()  # CSV/TSV
+    columns: Columns | None = None  # None: JSONL
+
+
+def default_source(path: str, given: str | None) -> str:
+    """``--source``, else the file's name without its extension (a folder's name)."""
+    return given or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+
+
+def check_source(path: str, source: str, given: bool) -> None:
+    if not SOURCE_NAME.match(source):
+        raise InputError(f"{path}: the source {source!r} {'(--source)' if given else '(the file name)'} is not a "
+                         f"source name: {SOURCE_RULE}" + ("" if given else "; give --source NAME"))
+
+
+def open_input(index: int, path: str, source: str | None, skip_bad: bool) -> PairsInput:
+    """Check one input before anything is written: ``Unreadable`` when it cannot be read, ``InputError`` for an
+    unusable header, format or source name."""
+    name = default_source(path, source)
+    check_source(path, name, source is not None)
+    if os.path.isdir(path):
+        return _open_saved(index, path, name, skip_bad)
+    fmt = FORMATS.get(os.path.splitext(path)[1].lower())
+    if fmt is None:
+        raise InputError(f"{path}: cannot tell the format from the name: give .jsonl, .json (JSON lines), .csv, "
+                         f".tsv, .parquet, .arrow, or a Hugging Face datasets save_to_disk folder")
+    try:
+        size = os.path.getsize(path)
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(path).schema_arrow.names
+        elif fmt == "arrow":
+            names = _arrow_schema(path).names
+        else:
+            with open(path, "rb") as f:
+                first = f.readline(MAX_LINE_BYTES).removeprefix(_BOM)
+    except OSError as err:
+        raise Unreadable(f"{path}: cannot read: {err.strerror or err}") from None
+    except Exception as err:  # pyarrow: not Parquet / Arrow, or a damaged footer
+        raise Unreadable(f"{path}: cannot read as {fmt}: {err}") from None
+    if fmt == "jsonl":
+        if first.lstrip().startswith(b"["):
+            raise InputError(f"{path}:1: a JSON array, not JSON lines (one object a line): convert it, e.g. "
+                             "jq -c '.[]'")
+        return PairsInput(index, path, fmt, name, skip_bad, (path,), size)
+    if fmt in ("csv", "tsv"):
+        try:
+            header = next(_csv_reader(fmt, [first.decode()]), [])
+        except UnicodeDecodeError:
+            raise Unreadable(f"{path}:1: the header is not UTF-8") from None
+        header = [h.strip() for h in header]
+        return PairsInput(index, path, fmt, name, skip_bad, (path,), size, tuple(header),
+                          header_columns(header, f"{path}:1"))
+    return PairsInput(index, path, fmt, name, skip_bad, (path,), size, (), header_columns(names, path))
+
+
+def _open_saved(index: int, path: str, name: str, skip_bad: bool) -> PairsInput:
+    """A folder ``Dataset.save_to_disk`` wrote: ``state.json`` lists its Arrow IPC stream files in order."""
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+        raise InputError(f"{path}: a DatasetDict folder (splits: {', '.join(splits)}): give a split's folder, e.g. "
+                         f"{os.path.join(path, splits[0] if splits else 'train')}")
+    state = os.path.join(path, "state.json")
+    try:
+        with open(state, encoding="utf-8") as f:
+            listed = json.load(f)["_data_files"]
+        names = [entry["filename"] for entry in listed]
+        if any(not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..") for n in names):
+            raise ValueError(f"_data_files names a file outside the folder: {names}")
+        files = tuple(os.path.join(path, n) for n in names)
+        size = sum(os.path.getsize(f) for f in files)
+        names = _arrow_schema(files[0]).names if files else []
+    except FileNotFoundError as err:
+        what = "not a Hugging Face datasets save_to_disk folder (no state.json)" if err.filename == state else \
+            f"cannot read {err.filename}: {err.strerror}"
+        raise Unreadable(f"{path}: {what}") from None
+    except OSError as err:
+        raise Unreadable(f"{path}: cannot read: {err.strerror or err}") from None
+    except Exception as err:  # state.json not what save_to_disk writes, or an Arrow file pyarrow cannot open
+        raise Unreadable(f"{path}: cannot read as a save_to_disk folder: {type(err).__name__}: {err}") from None
+    return PairsInput(index, path, "arrow", name, skip_bad, files, size, (), header_columns(names, path))
+
+
+def _arrow_schema(path: str):
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        return _arrow_reader(source).schema
+
+
+def _arrow_reader(source):
+    """Arrow's IPC stream format (what ``datasets`` writes), or its file format (``ARROW1`` magic)."""
+    import pyarrow as pa
+
+    if source.read(6) == b"ARROW1":
+        source.seek(0)
+        return pa.ipc.open_file(source)
+    source.seek(0)
+    return pa.ipc.open_stream(source)
+
+
+def _csv_reader(fmt: str, lines):
+    # TSV without quote processing, as data_prep triplets reads it: KorNLI/MNLI TSVs hold unbalanced quotes.
+    if fmt == "tsv":
+        return csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+    return csv.reader(lines)
+
+
+@dataclass
+class Part:
+    """A piece of one input for one worker. ``first``: the line (text formats) or row (tables) it starts at,
+    from 1. Text: ``data``, whole lines (CSV: whole records); Parquet: ``row_group``; Arrow: ``batches``.
+    ``error``: the piece could not be read (``--skip-bad``: counted as ``unreadable``)."""
+
+    input: PairsInput
+    file: str
+    first: int
+    nbytes: int
+    data: bytes = b""
+    row_group: int | None = None
+    batches: list = field(default_factory=list)
+    error: str | None = None
+
+
+def read_parts(inp: PairsInput) -> Iterator[Part]:
+    """An input's parts, in order. Runs in the main process, or as a streaming Ray task of its own."""
+    for file in inp.files:
+        try:
+            if inp.format == "parquet":
+                yield from _parquet_parts(inp, file)
+            elif inp.format == "arrow":
+                yield from _arrow_parts(inp, file)
+            else:
+                yield from _text_parts(inp, file)
+        except Unreadable as err:
+            if not inp.skip_bad:
+                raise
+            yield Part(inp, file, 0, 0, error=str(err))
+
+
+def _text_parts(inp: PairsInput, file: str) -> Iterator[Part]:
+    """Whole lines, about ``PART_BYTES`` at a time. A CSV part ends only where the double quotes before it are
+    even (outside a quoted field): a quoted field may hold line breaks. (A quote inside an unquoted field,
+    ``it"s``, which the csv module reads as a character, then counts too: with quoted line breaks elsewhere in
+    the file, a part may end inside a record, which then reads as malformed.)"""
+    quoted = inp.format == "csv"
+    line, buf = 1, bytearray()
+    try:
+        with open(file, "rb") as f:
+            if inp.format != "jsonl":
+                f.readline(MAX_LINE_BYTES)  # the header, checked by open_input
+                line = 2
+            while block := f.read(PART_BYTES):
+                if line == 1 and not buf:
+                    block = block.removeprefix(_BOM)
+                buf += block
+                cut = _cut(buf, quoted)
+                if not cut:
+                    if len(buf) > MAX_LINE_BYTES:
+                        what = "a record (a quoted field never closed?)" if quoted else "a line"
+                        raise InputError(f"{file}:{line}: {what} longer than {MAX_LINE_BYTES >> 20} MiB")
+                    continue
+                data = bytes(buf[:cut])
+                del buf[:cut]
+                yield Part(inp, file, line, len(data), data)
+                line += data.count(b"\n")
+    except OSError as err:
+        raise Unreadable(f"{file}:{line}: cannot read: {err.strerror or err}") from None
+    if buf:
+        yield Part(inp, file, line, len(buf), bytes(buf))
+
+
+def _cut(buf: bytearray, quoted: bool) -> int:
+    """Where a part of ``buf`` can end: just after its last line feed (CSV: the last one outside quotes); 0: none."""
+    end = buf.rfind(b"\n")
+    if quoted and end >= 0:
+        quotes = buf.count(b'"', 0, end)
+        while end >= 0 and quotes % 2:
+            before = buf.rfind(b"\n", 0, end)
+            quotes -= buf.count(b'"', before + 1, end)
+            end = before
+    return end + 1
+
+
+def _parquet_parts(inp: PairsInput, file: str) -> Iterator[Part]:
+    """One part per row group: the worker reads it (only the columns it needs) from the file itself."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file).metadata
+    except Exception as err:
+        raise Unreadable(f"{file}: cannot read as parquet: {err}") from None
+    row = 1
+    for group in range(meta.num_row_groups):
+        info = meta.row_group(group)
+        stored = sum(info.column(i).total_compressed_size for i in range(info.num_columns))  # the file's bytes
+        yield Part(inp, file, row, stored, row_group=group)
+        row += info.num_rows
+
+
+def _arrow_parts(inp: PairsInput, file: str) -> Iterator[Part]:
+    """Record batches (``datasets`` writes 1,000 rows each) gathered up to ``PART_BYTES``; the file is memory
+    mapped, so a batch is only copied when it is sent to a worker."""
+    import pyarrow as pa
+
+    row, batches, nbytes = 1, [], 0
+    try:
+        with pa.memory_map(file) as source:
+            reader = _arrow_reader(source)
+            # A file reader gives its batches by number, a stream reader one after another.
+            batches_read = (map(reader.get_batch, range(reader.num_record_batches))
+                            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader)
+            for batch in batches_read:
+                batches.append(batch.select(inp.columns.names()))
+                nbytes += batch.nbytes
+                if nbytes >= PART_BYTES:
+                    yield Part(inp, file, row, nbytes, batches=batches)
+                    row += sum(b.num_rows for b in batches)
+                    batches, nbytes = [], 0
+            if batches:  # inside the with: the batches are views of the mapped file
+                yield Part(inp, file, row, nbytes, batches=batches)
+    except (OSError, KeyError, pa.ArrowException) as err:  # KeyError: a file of the folder without a column
+        raise Unreadable(f"{file}: row {row + sum(b.num_rows for b in batches)} on: cannot read: {err}") from None
+
+
+@dataclass
+class PartResult:
+    """A part's records, per source: their digests and records, in input order; its counts per source
+    (``rows``, ``query_line_breaks`` and skip reasons); the first skipped rows' messages."""
+
+    input: int
+    nbytes: int
+    pairs: dict[str, tuple[list[bytes], list[Record]]] = field(default_factory=dict)
+    counts: dict[str, collections.Counter] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+    def count(self, source: str, key: str) -> None:
+        counter = self.counts.get(source)
+        if counter is None:
+            counter = self.counts[source] = collections.Counter()
+        counter[key] += 1
+
+    def skip(self, source: str, reason: str, message: str) -> None:
+        self.count(source, reason)
+        if len(self.messages) < MESSAGES_PER_PART:
+            self.messages.append(message)
+
+
+def process_part(part: Part) -> PartResult:
+    """A part's rows → records. Runs in the worker processes (or Ray tasks). A bad row raises ``InputError``
+    naming it, unless ``--skip-bad``: then it is counted by reason."""
+    inp = part.input
+    result = PartResult(inp.index, part.nbytes)
+    if part.error is not None:
+        result.skip(inp.source, "unreadable", part.error)
+        return result
+    if inp.format == "jsonl":
+        rows = _json_rows(part)
+    elif inp.format == "parquet":
+        rows = _parquet_rows(part, result)
+    elif inp.format == "arrow":
+        rows = _table_rows(part.batches, part.first, inp.columns)
+    else:
+        rows = _csv_rows(part)
+    cache: dict[tuple, Columns | RowError] = {}
+    for number, values, columns in rows:
+        try:
+            if isinstance(values, RowError):
+                raise values
+            if columns is None:  # a JSON object: its own keys are its header
+                keys = tuple(values)
+                columns = cache.get(keys)
+                if columns is None:
+                    if len(cache) > 1000:  # objects whose keys vary without end: a bounded cache
+                        cache.clear()
+                    try:
+                        columns = cache[keys] = match_columns(list(keys))
+                    except RowError as err:
+                        columns = cache[keys] = err
+                if isinstance(columns, RowError):
+                    raise columns
+            _add_row(result, inp, values, columns)
+        except RowError as err:
+            message = f"{_where(part, number)}: {err}"
+            if not inp.skip_bad:
+                raise InputError(message) from None
+            result.skip(err.source or inp.source, err.reason, message)
+    return result
+
+
+def _where(part: Part, number: int) -> str:
+    if part.input.format == "parquet":
+        return f"{part.file}: row {number} (row group {part.row_group})"
+    if part.input.format == "arrow":
+        return f"{part.file}: row {number}"
+    return f"{part.file}:{number}"
+
+
+def _json_rows(part: Part) -> Iterator[tuple[int, Any, None]]:
+    for number, line in enumerate(part.data.split(b"\n"), part.first):
+        if not line or line.isspace():
+            continue
+        try:
+            values = json.loads(line)
+        except ValueError as err:  # UnicodeDecodeError included
+            yield number, RowError("bad_line", None, f"not JSON: {err}"), None
+            continue
+        if not isinstance(values, dict):
+            yield number, RowError("bad_line", None, f"not a JSON object but {_kind(values)}"), None
+            continue
+        yield number, values, None
+
+
+def _csv_rows(part: Part) -> Iterator[tuple[int, Any, Columns]]:
+    inp = part.input
+    try:
+        text = part.data.decode()
+        undecodable: list[int] = []
+    except UnicodeDecodeError as err:
+        at = part.first + part.data.count(b"\n", 0, err.start)
+        if not inp.skip_bad:
+            raise InputError(f"{part.file}:{at}: not UTF-8 ({err.reason})") from None
+        # Each undecodable line becomes an empty one (skipped by the csv module): the others keep their numbers.
+        lines = part.data.split(b"\n")
+        undecodable = []
+        for i, raw in enumerate(lines):
+            try:
+                raw.decode()
+            except UnicodeDecodeError:
+                undecodable.append(part.first + i)
+                lines[i] = b""
+        text = b"\n".join(lines).decode()
+    for number in undecodable:
+        yield number, RowError("bad_line", None, "not UTF-8"), inp.columns
+    header = inp.header
+    csv.field_size_limit(MAX_LINE_BYTES)  # the default, 128 KiB, is shorter than some passages
+    reader = _csv_reader(inp.format, io.StringIO(text, newline=""))
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            yield part.first + reader.line_num - 1, RowError("bad_line", None, f"not CSV: {err}"), inp.columns
+            continue
+        if not fields:
+            continue  # a blank line
+        number = part.first + reader.line_num - 1  # a quoted field may span lines: where the record ends
+        if len(fields) != len(header):
+            yield number, RowError("bad_line", None, f"{len(fields)} fields, the header has {len(header)}"), \
+                inp.columns
+            continue
+        yield number, dict(zip(header, fields)), inp.columns
+
+
+def _parquet_rows(part: Part, result: PartResult) -> Iterator[tuple[int, Any, Columns]]:
+    """A row group's rows, read here, a batch of ``PARQUET_BATCH_ROWS`` at a time. A row group that cannot be
+    read is an error naming it; with ``--skip-bad`` what is left of it counts as one unreadable piece."""
+    import pyarrow.parquet as pq
+
+    names = part.input.columns.names()
+    row = part.first
+    try:
+        batches = pq.ParquetFile(part.file).iter_batches(PARQUET_BATCH_ROWS, row_groups=[part.row_group],
+                                                         columns=names)
+        for batch in batches:
+            yield from _table_rows([batch], row, part.input.columns)
+            row += batch.num_rows
+    except Exception as err:  # OSError, pyarrow's ArrowException, a damaged page's own errors
+        message = f"{part.file}: row group {part.row_group} (from row {row}): cannot read: {err}"
+        if not part.input.skip_bad:
+            raise Unreadable(message) from None
+        result.skip(part.input.source, "unreadable", message)
+
+
+def _table_rows(batches: list, first: int, columns: Columns) -> Iterator[tuple[int, Any, Columns]]:
+    number = first
+    for batch in batches:
+        names = batch.schema.names
+        values = [batch.column(i).to_pylist() for i in range(len(names))]
+        for row in zip(*values):
+            yield number, dict(zip(names, row)), columns
+            number += 1
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _blank(text: str) -> bool:
+    return not text or text.isspace()  # isspace stops at the first other character: no copy, unlike strip
+
+
+def _text(values: dict, column: str, source: str | None) -> str | None:
+    """A string column's value; None when absent, null or blank."""
+    value = values.get(column)
+    if value is None or (isinstance(value, str) and _blank(value)):
+        return None
+    if not isinstance(value, str):
+        raise RowError("wrong_type", column, f"is {_kind(value)}, not a string", source)
+    return value
+
+
+def _texts(values: dict, column: str, source: str | None, *, string_ok: bool, in_cell: bool) -> list[str]:
+    """A column holding a list of strings: its non-blank ones. ``string_ok``: a string is a list of one (a
+    positive column); ``in_cell``: a CSV/TSV cell, which holds a list as a JSON array."""
+    value = values.get(column)
+    if isinstance(value, str):
+        if _blank(value):
+            return []
+        if string_ok:
+            return [value]
+        if not in_cell:
+            raise RowError("wrong_type", column, "is a string, not a list of strings", source)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RowError("wrong_type", column, f"is not a JSON list of strings: {value[:60]!r}", source) from None
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RowError("wrong_type", column, f"is {_kind(value)}, not {'a string or ' * string_ok}a list of strings",
+                       source)
+    for i, item in enumerate(value):
+        if item is not None and not isinstance(item, str):
+            raise RowError("wrong_type", column, f"item {i} is {_kind(item)}, not a string", source)
+    return [item for item in value if item is not None and not _blank(item)]
+
+
+def _encoded(texts: list[tuple[str, str]], source: str) -> list[bytes]:
+    """(column, text) pairs → the texts' UTF-8; ``RowError`` names the column of one that has none."""
+    encoded = []
+    for column, text in texts:
+        try:
+            encoded.append(text.encode())
+        except UnicodeEncodeError:  # JSON's "\ud800": no UTF-8 for it, so no shard can hold it
+            raise RowError("bad_text", column, "holds a lone surrogate (\\ud800-\\udfff), not valid Unicode",
+                           source) from None
+    return encoded
+
+
+def _add_row(result: PartResult, inp: PairsInput, values: dict, columns: Columns) -> None:
+    """One row → its pairs (one per positive), their digests and counts; ``RowError`` when it gives none."""
+    source = inp.source
+    if columns.source is not None:
+        named = _text(values, columns.source, None)
+        if named is not None:
+            if not SOURCE_NAME.match(named):
+                raise RowError("bad_source", columns.source, f"{named[:60]!r} is not a source name: {SOURCE_RULE}")
+            source = named
+    if columns.query is None:
+        raise RowError("missing_query", None, f"no query ({' / '.join(ROLES['query'])})", source)
+    query = _text(values, columns.query, source)
+    if query is None:
+        raise RowError("missing_query", columns.query, "is empty or missing", source)
+    if columns.positive is None:
+        raise RowError("missing_positive", None, f"no positive ({' / '.join(ROLES['positive'])})", source)
+    positives = _texts(values, columns.positive, source, string_ok=True, in_cell=False)
+    if not positives:
+        raise RowError("missing_positive", columns.positive, "is empty or missing", source)
+    if columns.negatives_listed:
+        name = columns.negatives[0]
+        in_cell = inp.format in ("csv", "tsv")
+        negatives = [(name, text) for text in _texts(values, name, source, string_ok=False, in_cell=in_cell)]
+    else:
+        negatives = [(name, text) for name in columns.negatives if (text := _text(values, name, source)) is not None]
+    instruction = (_text(values, columns.instruction, source) if columns.instruction else None) or ""
+    if "\n" in query or "\r" in query:
+        query = LINE_BREAK.sub(" ", query)
+        result.count(source, "query_line_breaks")
+    # The digest: the number of fields and each one's length, then the fields (the query, the instruction, the
+    # negatives), then each positive in turn (the rest of the bytes): no two rows give the same bytes. SHA-256
+    # (3.3 µs a 2 KB pair with the CPU's SHA instructions, blake2b 5.2), cut to 16 bytes: a collision among
+    # 10^12 pairs has a chance of about 10^-15.
+    encoded = _encoded([(columns.query, query), (columns.instruction, instruction), *negatives,
+                        *((columns.positive, p) for p in positives)], source)
+    fields = encoded[:2 + len(negatives)]
+    digest = hashlib.sha256(struct.pack(f"<{len(fields) + 1}Q", len(fields), *map(len, fields)))
+    digest.update(b"".join(fields))
+    texts = [text for _, text in negatives]
+    digests, records = result.pairs.get(source) or result.pairs.setdefault(source, ([], []))
+    for positive, data in zip(positives, encoded[len(fields):]):
+        pair = digest.copy()
+        pair.update(data)
+        digests.append(pair.digest()[:16])
+        records.append(Record(query, {"positive": positive, "negatives": texts, "source": source,
+                                      "instruction": instruction}))
+    result.count(source, "rows")
