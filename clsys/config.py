@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -40,6 +41,14 @@ class DataConfig:
     on_bad_sample: Literal["error", "skip"] = "error"
     max_shard_mb: int = 1024  # the most MiB a shard's tar may take in a loader worker (a .tar.gz's decompressed)
     length_group_batches: int = 0  # K > 0: sort each window of K micro-batches by text length (less padding)
+    # The streams an objective that reads many sources mixes (pairs/<source> of data_prep pairs), with weights
+    # ({pairs/msmarco: 2, pairs/nq: 1}: sampling probabilities 2/3 and 1/3) or without ([pairs/msmarco, pairs/nq]:
+    # weighed by data.source_alpha); empty: every stream it finds under data.url
+    sources: dict[str, float | None] = field(default_factory=dict)
+    # sources without weights are drawn with p ∝ n^α, n a source's samples (its manifest's): 1 by size, 0 uniform
+    source_alpha: float = 0.5
+    # same: every micro-batch of an optimizer step, on every rank, from one source; mixed: a source per micro-batch
+    source_batches: Literal["same", "mixed"] = "same"
 
 
 @dataclass
@@ -240,6 +249,7 @@ class Config:
 
     def validate(self) -> None:
         t = self.train
+        weights = list(self.data.sources.values())
         per_step = self.cluster.num_workers * t.grad_accum
         if t.batch_size % per_step:
             raise ConfigError(
@@ -267,6 +277,14 @@ class Config:
              f"0 (no lease) or a time-to-live in seconds, > 0 and <= {MAX_TTL_S:g} (not NaN or infinite)"),
             ("data.loader_workers", self.data.loader_workers > 0, "> 0"),
             ("data.length_group_batches", self.data.length_group_batches >= 0, ">= 0 (0 = off)"),
+            ("data.sources", weights.count(None) in (0, len(weights))
+             and all(0 < w < math.inf for w in weights if w is not None),
+             "a weight > 0 for every source, or none (then data.source_alpha weighs them by size)"),
+            ("data.source_alpha", 0 <= self.data.source_alpha < math.inf,
+             ">= 0 (1: in proportion to size, 0: uniform)"),
+            ("data.source_batches", self.data.source_batches == "same" or t.grad_accum > 1,
+             "same when train.grad_accum is 1 (mixed draws a source per micro-batch, and a micro-batch holds one "
+             "source)"),
             ("eval.select", self.eval.select in ("", "sts_dev") or bool(self.eval.sts_dev or self.eval.xling
                                                                          or self.eval.tatoeba or self.eval.retrieval_dev),
              "'' or sts_dev when nothing is evaluated during training (eval.sts_dev, eval.xling, eval.tatoeba, "
@@ -353,6 +371,21 @@ def _coerce(key: str, value, tp):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item_type,) = typing.get_args(tp)
         return [_coerce(key, v, item_type) for v in value]
+    if origin is dict:
+        if isinstance(value, str):  # a CLI override: a YAML flow mapping, '{nq: "query: "}'
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{key}: expected a mapping such as {{name: value}} ({err})") from None
+        key_type, value_type = typing.get_args(tp)
+        names_alone = type(None) in typing.get_args(value_type)  # a value may be null, so a list of names will do
+        if names_alone and isinstance(value, (list, tuple)):  # [a, b] or [a, {b: 2}]: null where no value is given
+            value = {_coerce(key, k, key_type): v for item in value
+                     for k, v in (item.items() if isinstance(item, dict) else [(item, None)])}
+        if not isinstance(value, dict):
+            also = " or a list of names" if names_alone else ""
+            raise ConfigError(f"{key}: expected a mapping such as {{name: value}}{also}, got {value!r}")
+        return {_coerce(key, k, key_type): _coerce(f"{key}.{k}", v, value_type) for k, v in value.items()}
     if origin is tuple:
         if isinstance(value, str):
             value = yaml.safe_load(value)

@@ -146,6 +146,8 @@ def yaml_value(value) -> str:
         return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), repr(value))
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{yaml_value(k)}: {yaml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, str):
         try:
             plain = value != "" and yaml.safe_load(value) == value

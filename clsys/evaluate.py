@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from clsys.eval.beir import BeirSet, bundled_beir, evaluate_beir, load_beir, resolve_beir
 from clsys.eval.sts import evaluate_sts
+from clsys.model.declared import default_max_length, folder_pooling, folder_prompts
 from clsys.model.encoder import POOLINGS, load_encoder, load_tokenizer
 from clsys.model.loading import resolve_model_path
 from clsys.eval.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
@@ -80,46 +80,6 @@ EVALUATIONS: dict[str, tuple[Callable[[str, argparse.Namespace], list[Any]], Cal
 }
 
 
-def folder_pooling(model_dir: str) -> str | None:
-    """The pooling a sentence-transformers folder (a clsys export among them) declares in
-    ``1_Pooling/config.json``, when it is one of ``POOLINGS`` and nothing but Normalize follows it
-    (cosine ignores the norm); else None."""
-    path = Path(model_dir)
-    try:
-        config = json.loads((path / "1_Pooling" / "config.json").read_text())
-        modules = json.loads((path / "modules.json").read_text())
-    except (OSError, ValueError):
-        return None
-    after = [m["type"].rsplit(".", 1)[-1] for m in modules[2:]]
-    modes = [mode for mode in POOLINGS if config.get(f"pooling_mode_{mode}_token" if mode == "cls"
-                                                      else f"pooling_mode_{mode}_tokens")]
-    return modes[0] if len(modes) == 1 and set(after) <= {"Normalize"} else None
-
-
-def folder_prompts(model_dir: str) -> tuple[str, str]:
-    """The (query, passage) prefixes a sentence-transformers folder declares in ``config_sentence_transformers.json``
-    ``prompts``, chosen as sentence-transformers' ``encode_query`` and ``encode_document`` choose: ``query`` for
-    queries, the first of ``document``, ``passage``, ``corpus`` for documents, else the ``default_prompt_name``'s
-    prompt; "" where there is none (a clsys export declares none)."""
-    try:
-        config = json.loads((Path(model_dir) / "config_sentence_transformers.json").read_text())
-        prompts = config.get("prompts") or {}
-        default = prompts.get(config.get("default_prompt_name") or "", "")
-        passage = next((prompts[name] for name in ("document", "passage", "corpus") if name in prompts), default)
-        return str(prompts.get("query", default)), str(passage)
-    except (OSError, ValueError, AttributeError):  # no such file, not JSON, not a mapping
-        return "", ""
-
-
-def default_max_length(model_dir: str, model: nn.Module) -> int:
-    """The model's own sentence-transformers ``max_seq_length`` if it has one, else its position limit."""
-    st_config = Path(model_dir) / "sentence_bert_config.json"
-    if st_config.is_file():
-        return int(json.loads(st_config.read_text())["max_seq_length"])
-    return min(512, model.config.max_position_embeddings)
-
-
-# Column headers: the short names papers use; other metrics are shown capitalised ("Spearman").
 LABELS = {"spearman_mean": "Spearman-mean", "spearman_wmean": "Spearman-wmean", "mrr@10": "MRR@10",
           "recall@1": "R@1", "recall@10": "R@10", "xxx->eng": "xxx->eng", "eng->xxx": "eng->xxx",
           "ndcg@10": "nDCG@10", "recall@100": "R@100"}
@@ -242,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         parser.error(f"cannot load model '{args.model}': {str(e).splitlines()[0]}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    max_length = args.max_length or default_max_length(path, model)
+    max_length = args.max_length or default_max_length(path, model.config)
     reranker, reranker_path = None, None
     if args.rerank is not None:
         reranker_path = args.rerank or os.path.join(path, "reranker")

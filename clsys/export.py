@@ -134,12 +134,14 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         weights = spec.encoder_weights(state)
         pooler = write_model(folder, weights, config, hf_dir, spec.pooling,
                              source_max_seq_length(base_model, config), url,
-                             base_model if meta["config"]["model"]["init"] == "pretrained" else "")
+                             base_model if meta["config"]["model"]["init"] == "pretrained" else "",
+                             prompts=spec.prompts)
         if spec.reranker_map:
             write_reranker(os.path.join(folder, "reranker"), weights, state, spec.reranker_map, config, hf_dir)
         # The record is published with the model: the checkpoint's URL without its secrets.
         record = {"checkpoint": storage.redact(url), "chosen": chosen, "step": meta["step"],
-                  "objective": meta["objective"], "pooling": spec.pooling, "pooler": pooler}
+                  "objective": meta["objective"], "pooling": spec.pooling, "pooler": pooler,
+                  "prompts": spec.prompts, "matryoshka_dims": list(spec.matryoshka_dims)}
         with open(os.path.join(folder, RECORD), "w") as f:
             json.dump(record, f, indent=2)
         write_card(folder, record, meta["config"])

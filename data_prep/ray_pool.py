@@ -15,12 +15,11 @@ Other exceptions (a ``BadIndex``, a bug) are not retried: they reach the driver 
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 from typing import Iterator
 
+from clsys.engine.launch import init_ray_for_tasks
 from clsys.storage import StorageError
 
 MAX_RETRIES = 3
@@ -81,23 +80,9 @@ class RayPool:
     the data_prep command its messages name."""
 
     def __init__(self, cpus: int, command: str = "wiki"):
-        env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
-        # Under `ray job submit`, the job's runtime_env already sets its variables on every worker, and Ray
-        # refuses a driver runtime_env that sets them again.
-        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
-        env = {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
-        joining = bool(os.environ.get("RAY_ADDRESS"))
-        if not joining:
-            # Without it, a local cluster binds its services to the machine's external address.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        joining = init_ray_for_tasks(cpus, WORKER_ENV)
         import ray
 
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        local = {} if joining else {"address": "local", "num_cpus": cpus, "include_dashboard": False}
-        # No runtime_env unless there is something to set: a job with one gets worker processes of its own,
-        # started (and their imports paid) while the run waits, instead of the cluster's idle ones
-        # (measured: 0.6 s of a 16 s run on a 2-CPU cluster).
-        ray.init(runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING, **local)
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
         retries = {"max_retries": MAX_RETRIES, "retry_exceptions": [StorageError, OSError]}
         self._remote = ray.remote(num_cpus=1, **retries)(_task)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clsys.recipes import load_config
-from clsys.data.mixing import TaskMixer
+from clsys.data.mixing import StreamMixer, size_weights
 from clsys.data.streaming import ShardLoader
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives.clir import CLIR, clir_example, document_side, hard_negative_probability, sample_negative
@@ -178,7 +178,7 @@ def test_alternate_and_summed_schedules_train_both_heads(tiny_model):
     optimizer = torch.optim.AdamW(objective.parameters(), lr=1e-3)
     batch = objective.collate([{"json": record(i)} for i in range(4)])
     for task in ("qlm", "rr"):
-        out = objective({**batch, "task": task, "stream": "en-de"})
+        out = objective({**batch, "task": task, "source": "en-de"})
         optimizer.zero_grad()
         out.loss.backward()
         used_rr = objective.rr_head[2].weight.grad is not None and objective.rr_head[2].weight.grad.abs().sum() > 0
@@ -189,7 +189,7 @@ def test_alternate_and_summed_schedules_train_both_heads(tiny_model):
 
     summed = make(tiny_model, "objective.schedule=sum", "objective.rr_weight=0.5")
     summed.eval()
-    out = summed({**batch, "task": "qlm+rr", "stream": "en-de"})
+    out = summed({**batch, "task": "qlm+rr", "source": "en-de"})
     assert out.loss.item() == pytest.approx(summed.qlm_loss(batch)[0].item() + 0.5 * summed.rr_loss(batch)[0].item(),
                                             rel=1e-5)
 
@@ -219,7 +219,7 @@ def test_keep_weight_pulls_the_pooled_embeddings_to_the_starting_encoders(tiny_m
             distances.append(1 - float(e @ e0 / (e.norm() * e0.norm())))
     assert keep.item() == pytest.approx(sum(distances) / len(distances), rel=1e-4) and keep.item() > 1e-4
 
-    out = objective({**batch, "task": "rr", "stream": "en-de"})
+    out = objective({**batch, "task": "rr", "source": "en-de"})
     rr, _ = objective.rr_loss(batch)
     assert out.loss.item() == pytest.approx(rr.item() + 2.0 * keep.item(), rel=1e-5)
     assert out.metrics["keep_loss"].item() == pytest.approx(keep.item(), rel=1e-6)
@@ -247,7 +247,8 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
         loaders = {name: ShardLoader(url, 0, 1, 2, pair_ids, 7,
                                      shuffle_buffer=4)
                    for name, url in streams.items()}
-        return TaskMixer(loaders, list(tasks), alternate, temperature, micro_steps=2, seed=7)
+        weights = size_weights(loaders, 1.0 / temperature) if temperature else None  # as CLIRData.combine does
+        return StreamMixer(loaders, micro_steps=2, seed=7, weights=weights, tasks=list(tasks), alternate=alternate)
 
     round0 = mixer().schedule(0)
     assert [t for t, _ in round0] == ["qlm"] * 4 + ["rr"] * 4
@@ -258,10 +259,10 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
 
     # Temperature 1: pairs in proportion to their sizes (40 vs 10).
     sampled = mixer(temperature=1.0)
-    assert sampled.weights() == pytest.approx({"en-de": 0.8, "en-es": 0.2})
+    assert sampled.weights == pytest.approx({"en-de": 0.8, "en-es": 0.2})
     drawn = [s for r in range(400) for t, s in sampled.schedule(r)]
     assert abs(drawn.count("en-de") / len(drawn) - 0.8) < 0.03
-    assert mixer(temperature=1e9).weights() == pytest.approx({"en-de": 0.5, "en-es": 0.5})
+    assert mixer(temperature=1e9).weights == pytest.approx({"en-de": 0.5, "en-es": 0.5})
 
     # Resume: a mixer restored from a state taken mid-round continues with exactly the same batches.
     first = mixer()
@@ -269,11 +270,11 @@ def test_schedule_rounds_temperature_and_resume(tmp_path):
     for _ in range(11):
         next(it)
     state = first.state_dict()
-    expected = [(b["task"], b["stream"], b["ids"]) for b in (next(it) for _ in range(9))]
+    expected = [(b["task"], b["source"], b["ids"]) for b in (next(it) for _ in range(9))]
     second = mixer()
     second.load_state_dict(state)
     it2 = iter(second)
-    assert [(b["task"], b["stream"], b["ids"]) for b in (next(it2) for _ in range(9))] == expected
+    assert [(b["task"], b["source"], b["ids"]) for b in (next(it2) for _ in range(9))] == expected
 
 
 def test_exported_reranker_scores_like_the_rr_head(tiny_model, tmp_path):
@@ -329,7 +330,7 @@ def _one_step_with_head_lr(rank: int, port: int, tiny: str, out: dict) -> None:
     engine = build_engine(objective, objective.cfg)
     before = {name: p.detach().clone() for name, p in objective.named_parameters()}
     torch.manual_seed(0)
-    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
+    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "source": "en-de"}
     engine.backward(engine(batch).loss)
     engine.step()
     moved = {name: (p.detach() - before[name]).abs().max().item() for name, p in objective.named_parameters()}
@@ -361,7 +362,7 @@ def _stage0_checkpoint(rank: int, port: int, tiny: str, run: str, out: dict) -> 
     init_distributed()
     objective = make(tiny, "cluster.num_workers=1", "train.zero_stage=0", "model.packed=false", "optim.lr=1e-3")
     engine = build_engine(objective, objective.cfg)
-    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "stream": "en-de"}
+    batch = {**objective.collate([{"json": record(i)} for i in range(4)]), "task": "rr", "source": "en-de"}
     engine.backward(engine(batch).loss)
     engine.step()
     meta = {"world_size": 1, "objective": "clir", **objective.export_spec().to_meta(),

@@ -50,30 +50,44 @@ def test_loader_workers_get_the_objectives_data_spec_only(tiny):
     assert all(torch.equal(full[k], light[k]) for k in full)
 
 
-RECIPES = ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir", "css_lm"]
+RECIPES = ["quickstart", "simcse_unsup", "simcse_sup", "sg_opt", "tacl", "clir", "pairs", "css_lm"]
 
 
-def recipe_objective(recipe: str, tiny: str):
+@pytest.fixture(scope="module")
+def pairs_shards(tmp_path_factory) -> str:
+    """The bundled pairs sample as ``data_prep pairs`` writes it: the pairs objective lists its streams when built."""
+    from pathlib import Path
+
+    from data_prep.__main__ import main
+
+    out = tmp_path_factory.mktemp("pairs")
+    sample = Path(__file__).resolve().parents[1] / "data_prep" / "samples" / "xquad-en-train.parquet"
+    assert main(["pairs", "--input", str(sample), "--out", str(out)]) == 0
+    return str(out)
+
+
+def recipe_objective(recipe: str, tiny: str, pairs_shards: str):
     """A bundled recipe's objective on the tiny BERT with MiniLM's tokenizer."""
     from clsys.recipes import OBJECTIVES, load_config
     from clsys.model.encoder import load_tokenizer
 
-    extra = ["objective.num_labels=2"] if recipe == "css_lm" else []  # set by its pipeline from the task's data
+    extra = {"css_lm": ["objective.num_labels=2"],  # set by its pipeline from the task's data
+             "pairs": [f"data.url={pairs_shards}", "objective.matryoshka_dims=[32]"]}.get(recipe, [])
     cfg = load_config(recipe, [f"model.name={tiny}", "model.init=scratch", "model.tokenizer=all-MiniLM-L6-v2", *extra])
     return OBJECTIVES[cfg.objective.name](cfg, load_tokenizer(cfg.model.tokenizer))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_objectives_data_spec_reaches_the_loader_workers(recipe, tiny):
+def test_every_objectives_data_spec_reaches_the_loader_workers(recipe, tiny, pairs_shards):
     """Each bundled recipe's objective: its data spec pickles (the forkserver's workers get it so; a lambda
     in it, say, would stop training at the first batch) and carries no modules, parameters or tensors."""
-    objective = recipe_objective(recipe, tiny)
+    objective = recipe_objective(recipe, tiny, pairs_shards)
     assert list(objective.parameters())
     data_side = pickle.loads(pickle.dumps(objective.data))
     assert training_state_in(data_side) == []
 
 
-def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, tmp_path):
+def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, pairs_shards, tmp_path):
     """A loader worker is forked from the forkserver and then unpickles its collate. Whatever that pickle names and
     the forkserver had not imported, every worker imported again at every epoch: MiniLM's tokenizer class pulled in
     ``transformers.models`` (its import structure scanned from the source files), 0.3 s of CPU per worker start.
@@ -83,7 +97,7 @@ def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, tmp_p
 
     checks = []
     for recipe in RECIPES:
-        collate = recipe_objective(recipe, tiny).data.collate
+        collate = recipe_objective(recipe, tiny, pairs_shards).data.collate
         path = tmp_path / f"{recipe}.pkl"
         path.write_bytes(pickle.dumps(collate))
         checks.append((recipe, [m for m in forkserver_preload(collate) if m != "__main__"], str(path)))

@@ -254,6 +254,13 @@ HOSTILE_STATES = {
     "a head map naming no weight": ({"export_head_map": {"pooler.dense.weight": "no.such.weight"}},
                                     r"export_head_map: pooler\.dense\.weight: no weight 'no\.such\.weight'"),
     "an encoder prefix that is a number": ({"encoder_prefix": 3}, r"encoder_prefix: expected a string .*, got 3"),
+    "prompts that are a list": ({"export_prompts": ["query: "]},
+                                r"export_prompts: expected a mapping of prompt names to strings, got \['query: '\]"),
+    "a prompt named with a table row": ({"export_prompts": {INJECTION: "query: "}},
+                                        r"export_prompts: expected a mapping of prompt names to strings, got "),
+    "Matryoshka dimensions that are strings": ({"export_matryoshka_dims": ["64"]},
+                                               r"export_matryoshka_dims: expected a list of positive integers, "
+                                               r"got \['64'\]"),
     "a pooling that is a path and a table row": (
         {"export_pooling": INJECTION},
         r"export_pooling: expected cls, mean, max or cls_mlp, got '\.\./\.\./\.\./\.\./tmp/evil\\n\| injected"),
@@ -277,6 +284,32 @@ def test_export_refuses_a_checkpoint_whose_state_is_hostile_naming_the_field(hos
     assert main(["--checkpoint", step, "--out", str(tmp_path / "export")]) == 2
     _refused(capsys.readouterr().err, problem)
     assert not (tmp_path / "export").exists()
+
+
+def test_prompts_and_matryoshka_dims_of_a_checkpoint_are_exported_and_an_older_ones_absence_is_none(
+        checkpoints, tmp_path):
+    """What a checkpoint records of ExportSpec's prompts and Matryoshka dimensions reaches the export's
+    config_sentence_transformers.json and model card; a checkpoint written before they were recorded lacks both
+    keys and exports as it did then: no prompts, no default prompt, no Matryoshka row."""
+    def without_them(folder: Path) -> None:
+        state = json.loads((folder / "clsys_state.json").read_text())
+        del state["export_prompts"], state["export_matryoshka_dims"]
+        (folder / "clsys_state.json").write_text(json.dumps(state))
+
+    prompts = {"query": "query: ", "passage": "passage: ", "nq": "Instruct: answer\nQuery: "}
+    for name, damage in (("recorded", _state({"export_prompts": prompts, "export_matryoshka_dims": [32, 16]})),
+                         ("older", without_them)):
+        step = _hostile(checkpoints[4], tmp_path / f"step-{name}", damage)
+        assert main(["--checkpoint", step, "--out", str(tmp_path / name)]) == 0
+        st_config = json.loads((tmp_path / name / "config_sentence_transformers.json").read_text())
+        card = (tmp_path / name / "README.md").read_text()
+        assert st_config["default_prompt_name"] is None
+        if name == "recorded":
+            assert st_config["prompts"] == prompts
+            assert "| prompts | `query`, `passage`, `nq` (in `config_sentence_transformers.json`) |" in card
+            assert "| Matryoshka dimensions | 32, 16 (trained to be used truncated to each) |" in card
+        else:
+            assert st_config["prompts"] == {} and "| prompts |" not in card and "Matryoshka" not in card
 
 
 def test_export_refuses_a_pickle_in_zero_optimizer_states_naming_the_file(checkpoints, tmp_path, capsys):

@@ -215,7 +215,7 @@ def objective_loss_and_grads(model_dir: str, recipe: str, overrides: list[str], 
         if cfg.objective.name == "css_lm":
             batch = objective.collate_labeled(TEXTS[4:], [0, 1, 1, 0], corpus=batch)
         if cfg.objective.name == "clir":
-            batch.update(task="qlm+rr", stream="en-de")
+            batch.update(task="qlm+rr", source="en-de")
     torch.manual_seed(1)  # SG draws one layer view per sentence
     out = objective(batch)
     out.loss.backward()

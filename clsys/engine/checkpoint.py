@@ -366,8 +366,8 @@ def load(engine, fetched: Fetched, world_size: int) -> dict:
 
     With the rank count that wrote it every rank gets back its own RNG and loader state. With another
     count the weights and optimizer are resharded (from the universal form, ``engine`` built with
-    ``load_universal``; a stage-0 checkpoint's whole state as it is) and every rank gets rank 0's loader
-    state (all ranks stand at the same position) and no RNG state.
+    ``load_universal``; a stage-0 checkpoint's whole state as it is) and every rank gets rank 0's parts (all ranks
+    stand at the same loader position and have counted the same) but no RNG state.
     """
     try:
         with weights_only_loads(fetched.folder, fetched.url):
@@ -378,5 +378,5 @@ def load(engine, fetched: Fetched, world_size: int) -> dict:
     finally:
         shutil.rmtree(fetched.folder, ignore_errors=True)
     if fetched.saved_world != world_size:
-        rank_state = {"loader": rank_state["loader"]}
+        rank_state = {name: part for name, part in rank_state.items() if name != "rng"}
     return rank_state

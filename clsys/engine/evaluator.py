@@ -101,8 +101,10 @@ class Evaluator:
                                                                                    e.batch_size).items() if k != "n"})
         if self.retrieval_set is not None:
             # Documents are read as far as the export will declare (its sentence_bert_config.json max_seq_length),
-            # without prefixes (an export declares none): the last step's figures are the CLI's on the export.
+            # with the query and passage prompts it will declare: the last step's figures are the CLI's on the export.
+            prompts = objective.export_spec().prompts
             result = evaluate_beir(encoder, tokenizer, self.retrieval_set, e.pooling, e.batch_size,
-                                   source_max_seq_length(self.cfg.model.name, encoder.config))
+                                   source_max_seq_length(self.cfg.model.name, encoder.config),
+                                   prompts.get("query", ""), prompts.get("passage", ""))
             scores.update({f"{self.retrieval_set.name}_{k}": v for k, v in result.items() if k != "n"})
         return scores

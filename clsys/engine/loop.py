@@ -6,9 +6,10 @@ evaluator, the checkpoint writer. ``run`` then reads top to bottom: step (forwar
 step), every N steps log, evaluate, checkpoint; stop at ``train.steps`` or on request.
 
 A checkpoint holds, besides DeepSpeed's model, optimizer and schedule, each rank's *parts* by name
-(``Trainer.parts``): ``rng`` (the global RNG streams) and ``loader`` (the stream's position), each with
-``state_dict`` / ``load_state_dict``; the step is the checkpoint's own, the best checkpoint's record lives in
-``<run>/best.json`` (``BestTracker`` reads it back itself), and sample keys are written beside.
+(``Trainer.parts``): ``rng`` (the global RNG streams), ``loader`` (the stream's position) and ``sources`` (the steps
+each data source was drawn for, ``SourceMeter``), each with ``state_dict`` / ``load_state_dict``; the step is the
+checkpoint's own, the best checkpoint's record lives in ``<run>/best.json`` (``BestTracker`` reads it back itself),
+and sample keys are written beside.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from clsys.engine.profile import StepClock
 from clsys.engine.evaluator import Evaluator
 from clsys.engine.selection import BestTracker
 from clsys.metrics.event_sync import LOG_FOLDER, EventSync
-from clsys.metrics.health import TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
+from clsys.metrics.health import SourceMeter, TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
 
@@ -144,7 +145,9 @@ class Trainer:
         # From here on each rank draws its own dropout masks.
         torch.manual_seed(cfg.train.seed + 1 + rank)
         random.seed(cfg.train.seed + 1 + rank)
-        self.parts: dict[str, Any] = {"rng": GlobalRng(), "loader": self.loader}  # saved and restored by name
+        self.sources = SourceMeter(cfg.train.grad_accum)  # steps and loss per source, from the batches' "source"
+        # Saved and restored by name.
+        self.parts: dict[str, Any] = {"rng": GlobalRng(), "loader": self.loader, "sources": self.sources}
         self.step = self.restore(resume) if resume else 0
 
         self.tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
@@ -227,7 +230,8 @@ class Trainer:
         clock.lap("loader_wait")
         keys = batch.pop("keys")
         self.skipped.update(batch.pop("data_skipped", {}))
-        self.sample_keys.add(keys, batch.get("stream"))
+        source = batch.get("source")  # the stream of a batch of several (clsys.data.mixing)
+        self.sample_keys.add(keys, source)
         # Tensors go to the device; anything else (a task tag) passes through.
         batch = {k: v.to(engine.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in batch.items()}
@@ -238,6 +242,8 @@ class Trainer:
             out = engine(batch)
             engine.backward(out.loss)
         clock.lap("forward_backward")
+        if source is not None:
+            self.sources.add(source, out.loss)
         engine.step()
         clock.lap("optimizer")
         # What perf/model_tflops_per_device counts: the encoder's work on this batch's tokens.
@@ -247,7 +253,8 @@ class Trainer:
         return out
 
     def log(self, out, meter: Throughput, started: float, first_step: int) -> None:
-        """The step's metrics to TensorBoard (train/, perf/, health/, data/) and, on rank 0, the console."""
+        """The step's metrics to TensorBoard (train/, train/source/ for batches of several streams, perf/, health/,
+        data/) and, on rank 0, the console."""
         cfg, step, tb = self.cfg, self.step, self.tb
         values = {k: float(v) for k, v in out.metrics.items()}
         values["lr"] = self.engine.get_lr()[0]
@@ -268,6 +275,8 @@ class Trainer:
                       f"{values['uniformity']:.3f} > train.collapse_uniformity {cfg.train.collapse_uniformity}): "
                       "distinct sentences get nearly the same vector; lower optim.lr or check the data", flush=True)
             self.collapsing = now
+        if self.sources.batches:
+            tb.scalars("train/source", self.sources.take(), step)
         if self.skipped:
             tb.scalars("data", {f"skipped_{reason}": n for reason, n in self.skipped.items()}, step)
         if self.rank == 0:

@@ -1,6 +1,6 @@
 """Training health in TensorBoard (written by rank 0 only): loss, lr, grad norm, throughput,
-loader wait, model FLOP/s and MFU, alignment/uniformity and evaluation scores; the run's config (text
-and hparams panels); a collapse alarm."""
+loader wait, model FLOP/s and MFU, alignment/uniformity and evaluation scores, steps and loss per data source;
+the run's config (text and hparams panels); a collapse alarm."""
 from __future__ import annotations
 
 import time
@@ -90,6 +90,39 @@ class Throughput:
             out["time_other_s"] = (elapsed - sum(self.phases.values())) / steps
         self.reset()
         return out
+
+
+class SourceMeter:
+    """Per source (the ``source`` a batch of several streams carries, ``clsys.data.mixing``): how many optimizer
+    steps drew it so far (its micro-batches / ``micro_steps``: in ``data.source_batches: same`` the steps that drew
+    it, in ``mixed`` their share of the steps) and the mean loss of its micro-batches since the last log point.
+
+    A trainer part: the counts are saved in checkpoints, so they go on after a resume. Losses are summed as
+    tensors, on their device: reading each on the host would wait for the step."""
+
+    def __init__(self, micro_steps: int):
+        self.micro_steps = micro_steps
+        self.batches: dict[str, int] = {}  # micro-batches of each source, the whole run
+        self.losses: dict[str, tuple[torch.Tensor, int]] = {}  # since the last log point: sum and count
+
+    def add(self, source: str, loss: torch.Tensor) -> None:
+        self.batches[source] = self.batches.get(source, 0) + 1
+        total, count = self.losses.get(source, (0.0, 0))
+        self.losses[source] = (total + loss.detach().float(), count + 1)
+
+    def take(self) -> dict[str, float]:
+        """``<source>/steps`` of every source drawn so far and ``<source>/loss`` of those drawn since the last
+        call; starts the next window."""
+        out = {f"{source}/steps": n / self.micro_steps for source, n in sorted(self.batches.items())}
+        out.update({f"{source}/loss": float(total) / count for source, (total, count) in sorted(self.losses.items())})
+        self.losses = {}
+        return out
+
+    def state_dict(self) -> dict:
+        return {"batches": dict(self.batches)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = dict(state["batches"])
 
 
 class TensorBoard:

@@ -7,6 +7,7 @@ model. The front matter is the Hugging Face hub's model-card metadata.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import yaml
@@ -45,16 +46,34 @@ def write_card(folder: str, record: dict, config: dict) -> None:
         f"seed {train['seed']} |",
         f"| exported checkpoint | `{record['checkpoint']}` ({record['chosen']}) |",
         f"| pooling | `{record['pooling']}` |",
-        f"| pooler weights | {record['pooler']} |", "",
-        "## Usage", "",
-        "```python",
-        "from sentence_transformers import SentenceTransformer",
-        "",
-        "model = SentenceTransformer(\"path/to/this/folder\")",
-        "embeddings = model.encode([\"A cat sits on the mat.\", \"Stocks fell sharply.\"])",
-        "```", "",
+        f"| pooler weights | {record['pooler']} |",
+    ]
+    # Records of exports before prompts and Matryoshka dimensions were recorded have neither.
+    prompts, dims = record.get("prompts") or {}, record.get("matryoshka_dims") or []
+    if prompts:
+        lines.append(f"| prompts | {', '.join(f'`{name}`' for name in prompts)} (in "
+                     "`config_sentence_transformers.json`) |")
+    if dims:
+        lines.append(f"| Matryoshka dimensions | {', '.join(map(str, dims))} (trained to be used truncated to each) |")
+    lines += ["", "## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
+              "model = SentenceTransformer(\"path/to/this/folder\")"]
+    passage = _passage_prompt(prompts)
+    if "query" in prompts:
+        lines.append("queries = model.encode([\"how long do cats sleep?\"], prompt_name=\"query\")")
+        lines.append("passages = model.encode([\"Cats sleep 16 hours a day.\"]"
+                     + (f", prompt_name=\"{passage}\")" if passage else ")"))
+    else:
+        lines.append("embeddings = model.encode([\"A cat sits on the mat.\", \"Stocks fell sharply.\"])")
+    if dims:
+        lines += ["", f"small = SentenceTransformer(\"path/to/this/folder\", truncate_dim={min(dims)})"]
+    lines += ["```", ""]
+    if prompts:
+        lines += ["The prompts, each put before its inputs as it was in training:", "", "```json",
+                  json.dumps(prompts, indent=2, ensure_ascii=False), "```", ""]
+    lines += [
         "Or with `transformers.AutoModel` and the pooling above; "
-        "`python -m clsys.evaluate --model path/to/this/folder` reads the pooling from `1_Pooling/config.json`.",
+        "`python -m clsys.evaluate --model path/to/this/folder` reads the pooling from `1_Pooling/config.json` "
+        "and the query and passage prompts from `config_sentence_transformers.json`.",
         "", EVALUATION_HEADING, "",
     ]
     if record["chosen"].startswith("best "):
@@ -66,6 +85,11 @@ def write_card(folder: str, record: dict, config: dict) -> None:
               "", "```yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip(), "```", ""]
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write("\n".join(lines))
+
+
+def _passage_prompt(prompts: dict[str, str]) -> str | None:
+    """The prompt name sentence-transformers' ``encode_document`` picks for documents, as ``clsys.evaluate`` does."""
+    return next((name for name in ("document", "passage", "corpus") if name in prompts), None)
 
 
 def add_evaluation(export_url: str, title: str, rows: list[dict]) -> None:

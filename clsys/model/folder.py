@@ -39,9 +39,10 @@ def source_max_seq_length(model_name: str, config) -> int:
 
 
 def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length: int, normalize: bool = False,
-                                model_args: dict | None = None) -> None:
+                                model_args: dict | None = None, prompts: dict[str, str] | None = None) -> None:
     """modules.json and the modules after the Transformer: Pooling, plus Dense(tanh) for ``cls_mlp``,
-    plus Normalize (unit-length embeddings) with ``normalize``.
+    plus Normalize (unit-length embeddings) with ``normalize``; ``prompts`` (name → the text put before an input,
+    ``encode(..., prompt_name=name)``) in config_sentence_transformers.json, with no default prompt.
 
     ``cls_mlp`` is the model's pooler (dense + tanh on [CLS]) written as sentence-transformers'
     ``Dense`` module (its ``config.json`` + ``model.safetensors`` with ``linear.weight``/``linear.bias``),
@@ -66,7 +67,7 @@ def write_sentence_transformers(folder: str, pooling: str, model, max_seq_length
              "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False,
                                            **({"model_args": model_args} if model_args else {})},
              "config_sentence_transformers.json": {"__version__": _versions(), "model_type": "SentenceTransformer",
-                                                   "prompts": {}, "default_prompt_name": None,
+                                                   "prompts": dict(prompts or {}), "default_prompt_name": None,
                                                    "similarity_fn_name": "cosine"}}
     if pooling == "cls_mlp":
         modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
@@ -130,6 +131,11 @@ NUMBER = Kind("a number", lambda value: isinstance(value, (int, float)) and not 
 TEXT = Kind("a string of printable characters", lambda value: isinstance(value, str) and value.isprintable())
 NAME_MAP = Kind("a mapping of names to names", lambda value: isinstance(value, dict) and all(
     TEXT.holds(name) and TEXT.holds(key) for name, key in value.items()), optional=True)
+# A prompt is the text put before an input: any string, line breaks included ("Instruct: ...\nQuery: ").
+PROMPTS = Kind("a mapping of prompt names to strings", lambda value: isinstance(value, dict) and all(
+    TEXT.holds(name) and isinstance(prompt, str) for name, prompt in value.items()), optional=True)
+DIMENSIONS = Kind("a list of positive integers", lambda value: isinstance(value, list) and all(
+    POSITIVE.holds(dim) for dim in value), optional=True)
 EXPORT_POOLINGS = (*typing.get_args(Pooling), "cls_mlp")  # what ExportSpec.pooling may be
 POOLING = Kind(choices(EXPORT_POOLINGS), lambda value: isinstance(value, str) and value in EXPORT_POOLINGS)
 
@@ -179,27 +185,35 @@ class ExportSpec:
     state-dict keys: an MLP that becomes the pooler). ``reranker_map``: a (query, document) relevance head, as the
     parameter names of a 2-label Hugging Face ``*ForSequenceClassification`` model that are not the encoder's own →
     the objective's keys; export writes that model to ``<export>/reranker``. Empty maps: nothing of the kind.
+    ``prompts``: sentence-transformers' named prompts (name → the text the objective trained to put before such
+    inputs: ``{"query": "query: ", "passage": "passage: "}``). ``matryoshka_dims``: the leading dimensions the
+    embeddings were also trained to be used at, truncated (Kusupati et al., 2022); () for the full dimension only.
     """
 
     pooling: str
     encoder_prefix: str
     head_map: dict[str, str] = field(default_factory=dict)
     reranker_map: dict[str, str] = field(default_factory=dict)
+    prompts: dict[str, str] = field(default_factory=dict)
+    matryoshka_dims: tuple[int, ...] = ()
 
     def to_meta(self) -> dict:
         """The checkpoint meta's keys (``clsys_state.json``), named as every clsys checkpoint has named them."""
         return {"export_pooling": self.pooling, "encoder_prefix": self.encoder_prefix,
-                "export_head_map": self.head_map, "export_reranker_map": self.reranker_map}
+                "export_head_map": self.head_map, "export_reranker_map": self.reranker_map,
+                "export_prompts": self.prompts, "export_matryoshka_dims": list(self.matryoshka_dims)}
 
     @classmethod
     def from_meta(cls, meta: dict, source: str = "clsys_state.json") -> ExportSpec:
-        """The spec a checkpoint recorded (one written before the maps were recorded has none), its fields
-        checked (``record_field``; ``source`` names the record): the pooling is one export writes, which a
-        path with a model card's table row in it was not."""
+        """The spec a checkpoint recorded (one written before the maps, prompts or Matryoshka dimensions were
+        recorded has none), its fields checked (``record_field``; ``source`` names the record): the pooling is one
+        export writes, which a path with a model card's table row in it was not."""
         return cls(record_field(meta, "export_pooling", POOLING, source),
                    record_field(meta, "encoder_prefix", TEXT, source),
                    record_field(meta, "export_head_map", NAME_MAP, source) or {},
-                   record_field(meta, "export_reranker_map", NAME_MAP, source) or {})
+                   record_field(meta, "export_reranker_map", NAME_MAP, source) or {},
+                   record_field(meta, "export_prompts", PROMPTS, source) or {},
+                   tuple(record_field(meta, "export_matryoshka_dims", DIMENSIONS, source) or ()))
 
     def encoder_weights(self, state: dict) -> dict:
         """The exported encoder's state dict, from the objective's ``state``: the encoder's own weights, plus the
@@ -244,13 +258,14 @@ def with_pooler(weights: dict, config, base_model: str) -> tuple[dict, str]:
 
 
 def write_model(folder: str, weights: dict, config, tokenizer_dir: str, pooling: str, max_seq_length: int,
-                source: str, base_model: str) -> str:
+                source: str, base_model: str, prompts: dict[str, str] | None = None) -> str:
     """Save the encoder (with its pooler: see ``with_pooler``; ``base_model`` "" for one trained from
-    scratch), tokenizer and sentence-transformers files; returns where the pooler came from."""
+    scratch), tokenizer and sentence-transformers files (with ``prompts``: ``ExportSpec.prompts``); returns where
+    the pooler came from."""
     weights, pooler = with_pooler(weights, config, base_model)
     model = encoder_from_config(config, with_pooler=config.model_type in POOLER_MODEL_TYPES)
     _save_filled(model, weights, folder, tokenizer_dir, source)
-    write_sentence_transformers(folder, pooling, model, max_seq_length)
+    write_sentence_transformers(folder, pooling, model, max_seq_length, prompts=prompts)
     return pooler
 
 

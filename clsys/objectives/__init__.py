@@ -5,6 +5,7 @@ A recipe that brings a driver of its own keeps its objective in its home (``clsy
 """
 from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.clir import CLIR
+from clsys.objectives.pairs import Pairs
 from clsys.objectives.self_guided import SelfGuided
 from clsys.objectives.simcse import SimCSE
 from clsys.objectives.tacl import TaCL
@@ -14,6 +15,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "self_guided": SelfGuided,
     "tacl": TaCL,
     "clir": CLIR,
+    "pairs": Pairs,
 }
 
 __all__ = ["OBJECTIVES", "LossOutput", "Objective"]

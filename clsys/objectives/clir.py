@@ -121,8 +121,8 @@ def sample_negative(hard: list[str], pool: Iterable[str], positive: str, rng: ra
 
 class CLIRData(DataSpec):
     """Aligned section pairs → QLM's masked (query, document) pairs and RR's (query, positive or negative) pairs,
-    one stream per language pair, mixed by task and pair (``TaskMixer``). A pool of each document language's recent
-    positives, kept across batches, supplies RR's random negatives."""
+    one stream per language pair, mixed by task and pair (``clsys.data.mixing.StreamMixer``). A pool of each document
+    language's recent positives, kept across batches, supplies RR's random negatives."""
 
     def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
         super().__init__(cfg, tokenizer, streams, reads_ids)
@@ -133,12 +133,13 @@ class CLIRData(DataSpec):
             functools.partial(collections.deque, maxlen=self.oc.random_pool))
 
     def combine(self, loaders: dict[str, Any]):
-        from clsys.data.mixing import TaskMixer
+        from clsys.data.mixing import StreamMixer, size_weights
 
-        cfg = self.cfg
+        cfg, temperature = self.cfg, self.oc.pair_temperature
         by_pair = {pair: loaders[stream] for pair, stream in zip(self.oc.pairs, self.streams)}
-        return TaskMixer(by_pair, self.oc.tasks, self.oc.schedule == "alternate", self.oc.pair_temperature,
-                         cfg.train.grad_accum, cfg.train.seed)
+        weights = size_weights(by_pair, 1.0 / temperature) if temperature else None  # None: each pair once a round
+        return StreamMixer(by_pair, cfg.train.grad_accum, cfg.train.seed, weights, self.oc.tasks,
+                           alternate=self.oc.schedule == "alternate")
 
     def pair_encoding(self, queries: list[str], documents: list[str], padding=True) -> dict[str, torch.Tensor]:
         # longest_first trims the longer side (nearly always the document) first, as the original does.
@@ -194,6 +195,7 @@ class CLIR(Objective):
         checks = [("tasks", bool(oc.tasks), "qlm, rr or both"),
                   ("pairs", bool(oc.pairs), "at least one language pair"),
                   ("rr_negatives", oc.rr_negatives >= 1, ">= 1"),
+                  ("pair_temperature", oc.pair_temperature >= 0, ">= 0 (0 = each pair once a round)"),
                   ("keep_weight", oc.keep_weight >= 0, ">= 0 (0 = off)")]
         for key, ok, expected in checks:
             if not ok:
@@ -258,7 +260,7 @@ class CLIR(Objective):
         return torch.cat(distances).mean()
 
     def forward(self, batch: dict[str, Any]) -> LossOutput:
-        tasks, pair = batch["task"].split("+"), batch["stream"]
+        tasks, pair = batch["task"].split("+"), batch["source"]
         loss = 0.0
         for task in tasks:
             value, accuracy = self.qlm_loss(batch) if task == "qlm" else self.rr_loss(batch)

@@ -30,13 +30,15 @@ def cosine_logits(anchors: torch.Tensor, candidates: torch.Tensor, temperature: 
 
 def info_nce(anchors: torch.Tensor, positives: torch.Tensor, temperature: float,
              hard_negatives: torch.Tensor | None = None, hard_negative_weight: float = 0.0,
-             ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
+             ranks: Ranks = ONE_PROCESS, excluded: torch.Tensor | None = None) -> torch.Tensor:
     """Asymmetric InfoNCE: anchor i against all positives (and all hard negatives) of the batch.
 
     ℓ_i = −log exp(s(a_i,p_i)/τ) / (Σ_j exp(s(a_i,p_j)/τ) + Σ_j w_ij exp(s(a_i,n_j)/τ)),
     with w_ii = e^α (α = ``hard_negative_weight``, a log-offset on the logit) and w_ij = 1 otherwise.
     Candidates are gathered from every one of ``ranks``; anchors stay local and the loss is the mean over
     local anchors (see the module docstring for the resulting gradient scale).
+    ``excluded``: [local anchors, gathered positives + gathered hard negatives], True where a candidate is no
+    negative of the anchor (a padding row, a copy of its own positive) and leaves the sum; never its positive.
     """
     candidates, offset = ranks.gather_with_grad(positives)
     logits = cosine_logits(anchors, candidates, temperature)
@@ -48,6 +50,8 @@ def info_nce(anchors: torch.Tensor, positives: torch.Tensor, temperature: float,
             neg_logits = neg_logits.index_put((local, local + offset),
                                               neg_logits[local, local + offset] + hard_negative_weight)
         logits = torch.cat([logits, neg_logits], dim=1)
+    if excluded is not None:
+        logits = logits.masked_fill(excluded, float("-inf"))
     return F.cross_entropy(logits, local + offset)
 
 

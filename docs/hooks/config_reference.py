@@ -42,7 +42,8 @@ NOTES = re.compile(r"<!--\s*config-notes\s*\n(.*?)-->\n?", re.S)
 KEY = re.compile(r"^[a-z_]+(?:\.[a-z_0-9]+)+$")
 # The page that explains each objective's recipe, linked from its table (relative to reference/).
 OBJECTIVE_PAGES = {"simcse": "../training/simcse.md", "self_guided": "../training/self-guided.md",
-                   "tacl": "../training/tacl.md", "clir": "../training/clir.md", "css_lm": "../training/css-lm.md"}
+                   "tacl": "../training/tacl.md", "clir": "../training/clir.md", "pairs": "../training/pairs.md",
+                   "css_lm": "../training/css-lm.md"}
 
 
 def _code(text: str) -> str:

@@ -16,7 +16,8 @@ scores a query batch against a bank chunk without forming pairs: memory is B × 
 Score in float32 (queries and scorers): in bf16 many distinct rows would tie.
 
 Ties are broken by the lower global row index everywhere (chunked, sharded or not), so every
-rank of a distributed job retrieves the same rows.
+rank of a distributed job retrieves the same rows: the chunked scan and the merge of the ranks' lists are
+``clsys.retrieval.topk``'s, the bank's rows its ids.
 
 Storage (file:// or s3://, no pickle). One shard per rank under a folder:
 
@@ -41,9 +42,9 @@ from torch import nn
 from clsys import storage
 from clsys.objectives.ranks import ONE_PROCESS, Ranks
 from clsys.recipes.css_lm.pair_heads import pair_logits
+from clsys.retrieval import topk
 
 FORMAT = "clsys-retrieval-bank/1"
-_NO_ROW = torch.iinfo(torch.int64).max  # index of the padding a rank with fewer than k rows sends
 
 
 def two_views(hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,33 +85,23 @@ def relevance_scores(query_u: torch.Tensor, query_v: torch.Tensor, bank_u: torch
     return s_class + domain_weight * s_domain
 
 
-def _select(scores: torch.Tensor, indices: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best (score, index) of every row: score descending, then index ascending."""
-    # Order by index first; the stable sort by score then keeps equal scores in index order.
-    order = indices.argsort(dim=1)
-    scores, indices = scores.gather(1, order), indices.gather(1, order)
-    order = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
-    return scores.gather(1, order), indices.gather(1, order)
-
-
 def _scan(query_u: torch.Tensor, query_v: torch.Tensor, bank: RetrievalBank, class_scorer: nn.Linear,
           domain_scorer: nn.Linear, k: int, domain_weight: float, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running top-k (at most k, fewer for a small bank) over the bank, chunk by chunk."""
+    """Running top-k (at most k, fewer for a small bank) over the bank, chunk by chunk (``clsys.retrieval.topk``)."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    device, rows = query_u.device, query_u.shape[0]
-    best_scores = query_u.new_empty(rows, 0)
-    best_indices = torch.empty(rows, 0, dtype=torch.long, device=device)
-    for start in range(0, len(bank), chunk_rows):
-        stop = min(start + chunk_rows, len(bank))
-        # The bank may live elsewhere (CPU memory, half precision): bring one chunk at a time.
-        bank_u = bank.u[start:stop].to(device, query_u.dtype)
-        bank_v = bank.v[start:stop].to(device, query_v.dtype)
-        scores = relevance_scores(query_u, query_v, bank_u, bank_v, class_scorer, domain_scorer, domain_weight)
-        indices = torch.arange(bank.offset + start, bank.offset + stop, device=device).expand(rows, -1)
-        best_scores, best_indices = _select(torch.cat([best_scores, scores], 1),
-                                            torch.cat([best_indices, indices], 1), k)
-    return best_scores, best_indices
+    device = query_u.device
+
+    def chunks():
+        for start in range(0, len(bank), chunk_rows):
+            stop = min(start + chunk_rows, len(bank))
+            # The bank may live elsewhere (CPU memory, half precision): bring one chunk at a time.
+            bank_u = bank.u[start:stop].to(device, query_u.dtype)
+            bank_v = bank.v[start:stop].to(device, query_v.dtype)
+            yield (relevance_scores(query_u, query_v, bank_u, bank_v, class_scorer, domain_scorer, domain_weight),
+                   torch.arange(bank.offset + start, bank.offset + stop, device=device))
+
+    return topk.scan(chunks(), k, query_u.shape[0], query_u)
 
 
 @torch.no_grad()
@@ -143,11 +134,9 @@ def distributed_top_k(query_u: torch.Tensor, query_v: torch.Tensor, local_bank: 
         raise ValueError(f"k must be at least 1, got {k}")
     scores, indices = _scan(query_u, query_v, local_bank, class_scorer, domain_scorer, k, domain_weight, chunk_rows)
     # all_gather needs equal shapes: a shard with fewer than k rows pads with rows that lose every comparison.
-    missing = k - scores.shape[1]
-    scores = torch.cat([scores, scores.new_full((scores.shape[0], missing), float("-inf"))], 1)
-    indices = torch.cat([indices, indices.new_full((indices.shape[0], missing), _NO_ROW)], 1)
-    scores, indices = _select(torch.cat(ranks.all_gather(scores), 1), torch.cat(ranks.all_gather(indices), 1), k)
-    if (indices == _NO_ROW).any():
+    scores, indices = topk.pad(scores, indices, k)
+    scores, indices = topk.merge(list(zip(ranks.all_gather(scores), ranks.all_gather(indices))), k)
+    if (indices == topk.NO_ID).any():
         raise ValueError(f"k={k} exceeds the rows of the bank over all ranks")
     return scores, indices
 
