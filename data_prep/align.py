@@ -48,7 +48,8 @@ from data_prep.langlinks import Langlink, LanglinksError, LanglinksFile
 from data_prep.sectionalign import DEFAULT_THRESHOLD, Article, Match, Section, SectionAligner
 from clsys.shards.manifest import previous_shas
 from clsys.shards.writer import ShardWriter
-from data_prep.dumps import DumpError, DumpReader, TruncatedDump
+from data_prep.bz2_streams import DumpError, TruncatedDump
+from data_prep.dumps import DumpReader
 from data_prep.wiki_tasks import PageTask, ordered_map, process_page
 
 DROP_REASONS = ("no_langlink", "source_missing", "target_missing", "redirect", "conflicting_link", "empty_article",

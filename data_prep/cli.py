@@ -25,6 +25,19 @@ def positive(typ, allow_zero: bool = False, most: int | None = None):
     return parse
 
 
+def add_parallelism(p: argparse.ArgumentParser, work: str, ray_work: str, ray_needs: str = "") -> None:
+    """``--workers`` and ``--ray``, which the commands that spread their work over processes or Ray tasks
+    (``ray_pool.RayPool``) share, in the command's words: ``work``, what a worker process does ("parse rows");
+    ``ray_work``, what runs as Ray tasks; ``ray_needs``, what a Ray run asks of the inputs, if anything."""
+    p.add_argument("--workers", type=positive(int), metavar="N",
+                   help=f"processes that {work}; output is identical for any N (default: 1; with --ray, the CPUs "
+                        "of the local cluster it starts: all cores)")
+    p.add_argument("--ray", action="store_true",
+                   help=f"{ray_work}, on the cluster at RAY_ADDRESS (as under `ray job submit`; --workers is then "
+                        f"ignored) or else on a local cluster on 127.0.0.1; {ray_needs + '; ' if ray_needs else ''}"
+                        "failed tasks are retried; output is identical to a run in one process")
+
+
 def out_problem(out: str, writes: Iterable[str], reads: Iterable[str]) -> str | None:
     """Why a command cannot write to ``out``: a folder it would write there (``writes``) is, holds or lies inside
     something it reads (``reads``), however either is spelled (``storage.overlaps``); None when they are apart.

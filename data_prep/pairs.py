@@ -1,13 +1,14 @@
 """``python -m data_prep pairs``: (query, positive, negatives) data → one format 2 stream per source.
 
 Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_to_disk`` folder) are checked
-first, then read in parts by ``pairs_read`` (workers turn rows into records, with a process pool as ``data_prep
-wiki`` has, or Ray tasks with ``--ray``: ``ray_pool.RayPool``, fed by a streaming task per input). This process
-takes their results in input order (``wiki_tasks.ordered_map``), drops exact duplicate pairs of a source by
-their 16-byte digest, counts, and hands the records to one ``ShardWriter`` per source, as ``wiki`` writes its
-sentences: shuffled by ``--shuffle-window-mb`` windows, blocks of ``--block-records``. The output is therefore
-identical for any number of workers. Streams are ``OUT/pairs/<source>``; their manifests are written last,
-once every stream's shards are published, so a failed run leaves none.
+first, then read in parts by ``pairs_read`` (workers turn rows into records, as ``pairs_rows`` says a row
+means, with a process pool as ``data_prep wiki`` has, or Ray tasks with ``--ray``: ``ray_pool.RayPool``, fed by
+a streaming task per input). This process takes their results in input order (``wiki_tasks.ordered_map``),
+drops exact duplicate pairs of a source by their 16-byte digest, counts, and hands the records to one
+``ShardWriter`` per source, as ``wiki`` writes its sentences: shuffled by ``--shuffle-window-mb`` windows, blocks
+of ``--block-records``. The output is therefore identical for any number of workers. Streams are
+``OUT/pairs/<source>``; their manifests are written last, once every stream's shards are published, so a failed
+run leaves none.
 
 A record's text is the query (a format 2 text is one line: its line breaks become spaces, counted as
 ``query_line_breaks``); its metadata ``{positive, negatives, source, instruction}`` (``instruction`` is ""
@@ -33,8 +34,9 @@ from clsys.shards.blocks import MAX_BLOCK_RECORDS
 from clsys.shards.writer import ShardWriter
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.pairs_read import (SKIP_REASONS, InputError, PairsInput, PartResult, Unreadable, check_source,
-                                  default_source, open_input, process_part, read_parts)
+from data_prep.pairs_read import (PairsInput, Unreadable, check_source, default_source, open_input, process_part,
+                                  read_parts)
+from data_prep.pairs_rows import SKIP_REASONS, InputError, PartResult
 from data_prep.ray_pool import RayPool
 from data_prep.wiki_tasks import ordered_map
 
@@ -152,13 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad", action="store_true",
                    help="count bad rows and unreadable inputs (by reason, in the manifests and the summary) instead "
                         "of stopping at the first with an error")
-    p.add_argument("--workers", type=cli.positive(int), metavar="N",
-                   help="processes that parse rows; output is identical for any N (default: 1; with --ray, the "
-                        "CPUs of the local cluster it starts: all cores)")
-    p.add_argument("--ray", action="store_true",
-                   help="parse as Ray tasks (each input read by a streaming task; a Parquet row group by the task "
-                        "that parses it) on the cluster at RAY_ADDRESS, else on a local cluster on 127.0.0.1; the "
-                        "inputs must be on a file system every node sees; output identical to one process")
+    cli.add_parallelism(p, "parse rows", "parse as Ray tasks (each input read by a streaming task; a Parquet row "
+                        "group by the task that parses it)", "the inputs must be on a file system every node sees")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
     p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=2.0, metavar="N",

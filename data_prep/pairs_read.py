@@ -4,14 +4,11 @@ An input is checked whole before anything is written (``open_input``: its format
 default source). It is then cut into *parts* (``read_parts``, run by the main process, or by a streaming Ray
 task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL, CSV or TSV file, one row group
 of a Parquet file (its rows read by the worker itself), record batches of an Arrow IPC file (a Hugging Face
-``save_to_disk`` folder holds such files). A worker (``process_part``) turns a part's rows into records, each
-with the 16-byte digest that the main process drops exact duplicates by, and counts what it skips; the main
-process takes the results in input order, so the output does not depend on the number of workers.
-
-Columns are found by name, case-insensitively (``ROLES``): a query, a positive (a string, or a list of strings
-as in FlagEmbedding's ``{"query", "pos": [...], "neg": [...]}``: one pair per positive), negatives (one column
-holding a list, or string columns ``negative``, ``negative_1`` … ``negative_N``), and optional ``source`` and
-``instruction`` columns. Two columns that mean the same thing are an error naming both.
+``save_to_disk`` folder holds such files). A worker (``process_part``) reads a part's rows, each as a dict of
+column → value, and hands them to ``pairs_rows``, which finds their columns, checks their values and makes
+their records, each with the 16-byte digest that the main process drops exact duplicates by, and counts what
+it skips; the main process takes the results in input order, so the output does not depend on the number of
+workers.
 
 Memory: a part is at most ``PART_BYTES`` of text (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
 group, or record batches up to ``PART_BYTES``; the main process keeps at most ``2 × workers`` parts in
@@ -19,112 +16,27 @@ flight. Nothing is unpickled that this program did not pickle itself: Arrow IPC 
 """
 from __future__ import annotations
 
-import collections
 import csv
-import hashlib
 import io
 import json
 import os
-import re
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from clsys.shards.blocks import Record
+from data_prep.pairs_rows import (SOURCE_NAME, SOURCE_RULE, Columns, InputError, PartResult, RowError, add_row,
+                                  header_columns, match_columns, value_kind)
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
            ".arrow": "arrow"}
-# Role → its spellings. "negatives" are columns holding a list; "negative" (and negative_1 … negative_N)
-# a string each. A positive column holds a string or a list of strings (FlagEmbedding's "pos").
-ROLES = {"query": ("query", "anchor", "question"), "positive": ("positive", "pos", "document", "passage"),
-         "negatives": ("negatives", "neg"), "negative": ("negative",), "source": ("source",),
-         "instruction": ("instruction", "prompt")}
-NUMBERED_NEGATIVE = re.compile(r"negative_(\d+)\Z")
-# A source names a folder (``pairs/<source>``): one path segment, nothing a shell or URL reads specially.
-SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
-SOURCE_RULE = "letters, digits, '.', '_' and '-', starting with a letter or a digit, at most 100 characters"
-# Why a row is skipped (``--skip-bad``; without it each is an error). ``unreadable`` counts pieces of input
-# (a file, a Parquet row group, what is left of a file after a read fault), the others rows.
-SKIP_REASONS = ("bad_line", "missing_query", "missing_positive", "wrong_type", "bad_text", "bad_source",
-                "ambiguous_columns", "unreadable")
 PART_BYTES = 1 << 20  # a part of a text file: whole lines, about this much (a worker's task)
 MAX_LINE_BYTES = 64 << 20  # a longer line (or CSV record) stops the run: it cannot be read in parts
 PARQUET_BATCH_ROWS = 4096  # rows decoded at a time from a row group, so a worker holds one batch's objects
-LINE_BREAK = re.compile(r"\r\n?|\n")  # a format 2 text is one line: a query's line breaks become spaces
-MESSAGES_PER_PART = 5  # skipped rows' messages a part reports (the rest are counted)
 _BOM = b"\xef\xbb\xbf"
-
-
-class InputError(Exception):
-    """An input or a row that cannot be used; the message names the file, the line or row, and the column."""
 
 
 class Unreadable(InputError):
     """An input, or a piece of one, that cannot be read at all (missing, not the format it says, corrupt):
     with ``--skip-bad`` it is counted (``unreadable``) and the run goes on."""
-
-
-class RowError(Exception):
-    """A row that gives no pair: ``reason`` (one of ``SKIP_REASONS``), the ``column`` at fault (None: the whole
-    line), and the source it names, when it was read before the fault."""
-
-    def __init__(self, reason: str, column: str | None, detail: str, source: str | None = None):
-        super().__init__(f"column '{column}': {detail}" if column else detail)
-        self.reason, self.column, self.source = reason, column, source
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Role → column name(s) of one header (or one JSON object's keys); ``None``: absent."""
-
-    query: str | None
-    positive: str | None
-    negatives: tuple[str, ...]  # one list column, or the string columns negative, negative_1, … in that order
-    negatives_listed: bool  # True: ``negatives`` is one column holding a list
-    source: str | None
-    instruction: str | None
-
-    def names(self) -> list[str]:
-        return [n for n in (self.query, self.positive, *self.negatives, self.source, self.instruction) if n]
-
-
-def match_columns(names: list[str]) -> Columns:
-    """The columns of each role among ``names``; ``RowError("ambiguous_columns")`` names two that mean one thing."""
-    found: dict[str, list[str]] = collections.defaultdict(list)
-    numbered = []
-    for name in names:
-        low = name.lower()
-        role = next((r for r, spellings in ROLES.items() if low in spellings), None)
-        if role is not None:
-            found[role].append(name)
-        elif match := NUMBERED_NEGATIVE.match(low):
-            numbered.append((int(match.group(1)), name))
-    for role, hits in found.items():
-        if len(hits) > 1:
-            raise RowError("ambiguous_columns", None, f"columns {' and '.join(repr(h) for h in hits)} both mean the "
-                           f"{role} ({'/'.join(ROLES[role])}): rename or drop one")
-    strings = found["negative"] + [name for _, name in sorted(numbered)]
-    if found["negatives"] and strings:
-        raise RowError("ambiguous_columns", None, f"column '{found['negatives'][0]}' (a list of negatives) and "
-                       f"{', '.join(repr(s) for s in strings)} (one negative each) both give the negatives: keep one "
-                       "form")
-    one = {role: hits[0] if hits else None for role, hits in found.items()}
-    return Columns(one.get("query"), one.get("positive"), tuple(found["negatives"] or strings),
-                   bool(found["negatives"]), one.get("source"), one.get("instruction"))
-
-
-def header_columns(names: list[str], where: str) -> Columns:
-    """A header's (or schema's) columns: it must have a query and a positive column (every row would lack
-    them), and no two columns of one meaning. ``InputError`` (never skipped) otherwise."""
-    try:
-        columns = match_columns(names)
-    except RowError as err:
-        raise InputError(f"{where}: {err}") from None
-    missing = [f"{role} column ({' / '.join(ROLES[role])})" for role in ("query", "positive")
-               if getattr(columns, role) is None]
-    if missing:
-        raise InputError(f"{where}: no {' and no '.join(missing)}; found: {', '.join(names) or 'nothing'}")
-    return columns
 
 
 @dataclass
@@ -365,29 +277,6 @@ def _arrow_parts(inp: PairsInput, file: str) -> Iterator[Part]:
         raise Unreadable(f"{file}: row {row + sum(b.num_rows for b in batches)} on: cannot read: {err}") from None
 
 
-@dataclass
-class PartResult:
-    """A part's records, per source: their digests and records, in input order; its counts per source
-    (``rows``, ``query_line_breaks`` and skip reasons); the first skipped rows' messages."""
-
-    input: int
-    nbytes: int
-    pairs: dict[str, tuple[list[bytes], list[Record]]] = field(default_factory=dict)
-    counts: dict[str, collections.Counter] = field(default_factory=dict)
-    messages: list[str] = field(default_factory=list)
-
-    def count(self, source: str, key: str) -> None:
-        counter = self.counts.get(source)
-        if counter is None:
-            counter = self.counts[source] = collections.Counter()
-        counter[key] += 1
-
-    def skip(self, source: str, reason: str, message: str) -> None:
-        self.count(source, reason)
-        if len(self.messages) < MESSAGES_PER_PART:
-            self.messages.append(message)
-
-
 def process_part(part: Part) -> PartResult:
     """A part's rows → records. Runs in the worker processes (or Ray tasks). A bad row raises ``InputError``
     naming it, unless ``--skip-bad``: then it is counted by reason."""
@@ -421,7 +310,7 @@ def process_part(part: Part) -> PartResult:
                         columns = cache[keys] = err
                 if isinstance(columns, RowError):
                     raise columns
-            _add_row(result, inp, values, columns)
+            add_row(result, values, columns, inp.source, inp.format in ("csv", "tsv"))
         except RowError as err:
             message = f"{_where(part, number)}: {err}"
             if not inp.skip_bad:
@@ -448,7 +337,7 @@ def _json_rows(part: Part) -> Iterator[tuple[int, Any, None]]:
             yield number, RowError("bad_line", None, f"not JSON: {err}"), None
             continue
         if not isinstance(values, dict):
-            yield number, RowError("bad_line", None, f"not a JSON object but {_kind(values)}"), None
+            yield number, RowError("bad_line", None, f"not a JSON object but {value_kind(values)}"), None
             continue
         yield number, values, None
 
@@ -523,109 +412,3 @@ def _table_rows(batches: list, first: int, columns: Columns) -> Iterator[tuple[i
         for row in zip(*values):
             yield number, dict(zip(names, row)), columns
             number += 1
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null",
-            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _blank(text: str) -> bool:
-    return not text or text.isspace()  # isspace stops at the first other character: no copy, unlike strip
-
-
-def _text(values: dict, column: str, source: str | None) -> str | None:
-    """A string column's value; None when absent, null or blank."""
-    value = values.get(column)
-    if value is None or (isinstance(value, str) and _blank(value)):
-        return None
-    if not isinstance(value, str):
-        raise RowError("wrong_type", column, f"is {_kind(value)}, not a string", source)
-    return value
-
-
-def _texts(values: dict, column: str, source: str | None, *, string_ok: bool, in_cell: bool) -> list[str]:
-    """A column holding a list of strings: its non-blank ones. ``string_ok``: a string is a list of one (a
-    positive column); ``in_cell``: a CSV/TSV cell, which holds a list as a JSON array."""
-    value = values.get(column)
-    if isinstance(value, str):
-        if _blank(value):
-            return []
-        if string_ok:
-            return [value]
-        if not in_cell:
-            raise RowError("wrong_type", column, "is a string, not a list of strings", source)
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise RowError("wrong_type", column, f"is not a JSON list of strings: {value[:60]!r}", source) from None
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise RowError("wrong_type", column, f"is {_kind(value)}, not {'a string or ' * string_ok}a list of strings",
-                       source)
-    for i, item in enumerate(value):
-        if item is not None and not isinstance(item, str):
-            raise RowError("wrong_type", column, f"item {i} is {_kind(item)}, not a string", source)
-    return [item for item in value if item is not None and not _blank(item)]
-
-
-def _encoded(texts: list[tuple[str, str]], source: str) -> list[bytes]:
-    """(column, text) pairs → the texts' UTF-8; ``RowError`` names the column of one that has none."""
-    encoded = []
-    for column, text in texts:
-        try:
-            encoded.append(text.encode())
-        except UnicodeEncodeError:  # JSON's "\ud800": no UTF-8 for it, so no shard can hold it
-            raise RowError("bad_text", column, "holds a lone surrogate (\\ud800-\\udfff), not valid Unicode",
-                           source) from None
-    return encoded
-
-
-def _add_row(result: PartResult, inp: PairsInput, values: dict, columns: Columns) -> None:
-    """One row → its pairs (one per positive), their digests and counts; ``RowError`` when it gives none."""
-    source = inp.source
-    if columns.source is not None:
-        named = _text(values, columns.source, None)
-        if named is not None:
-            if not SOURCE_NAME.match(named):
-                raise RowError("bad_source", columns.source, f"{named[:60]!r} is not a source name: {SOURCE_RULE}")
-            source = named
-    if columns.query is None:
-        raise RowError("missing_query", None, f"no query ({' / '.join(ROLES['query'])})", source)
-    query = _text(values, columns.query, source)
-    if query is None:
-        raise RowError("missing_query", columns.query, "is empty or missing", source)
-    if columns.positive is None:
-        raise RowError("missing_positive", None, f"no positive ({' / '.join(ROLES['positive'])})", source)
-    positives = _texts(values, columns.positive, source, string_ok=True, in_cell=False)
-    if not positives:
-        raise RowError("missing_positive", columns.positive, "is empty or missing", source)
-    if columns.negatives_listed:
-        name = columns.negatives[0]
-        in_cell = inp.format in ("csv", "tsv")
-        negatives = [(name, text) for text in _texts(values, name, source, string_ok=False, in_cell=in_cell)]
-    else:
-        negatives = [(name, text) for name in columns.negatives if (text := _text(values, name, source)) is not None]
-    instruction = (_text(values, columns.instruction, source) if columns.instruction else None) or ""
-    if "\n" in query or "\r" in query:
-        query = LINE_BREAK.sub(" ", query)
-        result.count(source, "query_line_breaks")
-    # The digest: the number of fields and each one's length, then the fields (the query, the instruction, the
-    # negatives), then each positive in turn (the rest of the bytes): no two rows give the same bytes. SHA-256
-    # (3.3 µs a 2 KB pair with the CPU's SHA instructions, blake2b 5.2), cut to 16 bytes: a collision among
-    # 10^12 pairs has a chance of about 10^-15.
-    encoded = _encoded([(columns.query, query), (columns.instruction, instruction), *negatives,
-                        *((columns.positive, p) for p in positives)], source)
-    fields = encoded[:2 + len(negatives)]
-    digest = hashlib.sha256(struct.pack(f"<{len(fields) + 1}Q", len(fields), *map(len, fields)))
-    digest.update(b"".join(fields))
-    texts = [text for _, text in negatives]
-    digests, records = result.pairs.get(source) or result.pairs.setdefault(source, ([], []))
-    for positive, data in zip(positives, encoded[len(fields):]):
-        pair = digest.copy()
-        pair.update(data)
-        digests.append(pair.digest()[:16])
-        records.append(Record(query, {"positive": positive, "negatives": texts, "source": source,
-                                      "instruction": instruction}))
-    result.count(source, "rows")

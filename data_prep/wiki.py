@@ -44,8 +44,9 @@ from tqdm import tqdm
 from clsys import storage
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.dumps import (BadIndex, DumpError, DumpReader, TruncatedDump, check_index, index_blocks,
-                             read_bz2_stream)
+from data_prep.bz2_streams import (BadIndex, DumpError, TruncatedDump, check_index, index_blocks,
+                                   read_bz2_stream)
+from data_prep.dumps import DumpReader
 from data_prep.ray_pool import RayPool
 from clsys.shards.manifest import previous_shas
 from clsys.shards.blocks import MAX_BLOCK_RECORDS
@@ -316,14 +317,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "more than one language, else flat")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
-    p.add_argument("--workers", type=cli.positive(int), metavar="N",
-                   help="processes parsing wikitext; output is identical for any N (default: 1; with --ray, the "
-                        "CPUs of the local cluster it starts: all cores)")
-    p.add_argument("--ray", action="store_true",
-                   help="run the parsing (with --index: the reading of each bz2 block too, by ranged reads from "
-                        "local or object storage) as Ray tasks, on the cluster at RAY_ADDRESS (as under `ray job "
-                        "submit`; --workers is then ignored) or else on a local cluster on 127.0.0.1; failed tasks "
-                        "are retried; output is identical to a run in one process")
+    cli.add_parallelism(p, "parse wikitext", "run the parsing (with --index: the reading of each bz2 block too, by "
+                        "ranged reads from local or object storage) as Ray tasks")
     p.add_argument("--parallel-languages", type=cli.positive(int), default=4, metavar="N",
                    help="output folders (the languages of the per-language layout) prepared at the same time, each "
                         "reading its dumps in order; with --ray a dump without --index is read by a task of its "

@@ -17,7 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from data_prep.dumps import BadIndex, Block, BlockReader, DumpReader, TruncatedDump, skip_reason
+from data_prep.bz2_streams import BadIndex, Block, TruncatedDump
+from data_prep.dumps import BlockReader, DumpReader, skip_reason
 from clsys.data.sentences import Passage, SplitStats, counted_sentences, pack_passages
 from clsys.shards.blocks import Record
 from data_prep.wikitext import WikitextCleaner

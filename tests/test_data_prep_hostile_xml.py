@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from clsys.shards.manifest import read_manifest
-from data_prep import dumps
-from data_prep.dumps import BlockReader, DumpReader, index_blocks, skip_reason
+from data_prep import bz2_streams, dumps
+from data_prep.bz2_streams import index_blocks
+from data_prep.dumps import BlockReader, DumpReader, skip_reason
 from test_data_prep import ROOT, SAMPLE, sample_xml  # noqa: F401 (a fixture)
 from test_data_prep_languages import dump_xml
 from test_data_prep_multistream import write_multistream
@@ -158,14 +159,14 @@ def test_a_bomb_outside_any_page_ends_the_reading(tmp_path):
     dump.write_bytes(first + b"  </page>\n" + b" " * (dumps.MAX_UNMARKED_BYTES + (2 << 20)) + rest)
     pages = DumpReader(str(dump)).pages()
     assert next(pages).title == "Harmless"
-    with pytest.raises(dumps.TruncatedDump, match="without an element starting or ending, outside any page"):
+    with pytest.raises(bz2_streams.TruncatedDump, match="without an element starting or ending, outside any page"):
         next(pages)
 
 
 def test_normal_dumps_read_the_same_a_few_kib_at_a_time(sample_xml, tmp_path, monkeypatch):
     """What bounds a bomb changes nothing else: the bundled sample, decompressed 4 KiB at a time (plain, and by
     multistream block), gives the pages ElementTree finds parsing it whole."""
-    monkeypatch.setattr(dumps, "OUT_BYTES", 4096)
+    monkeypatch.setattr(bz2_streams, "OUT_BYTES", 4096)
     expected = []
     for page in ET.fromstring(sample_xml).findall("{*}page"):
         text = [t.text or "" for t in page.findall("{*}revision/{*}text")]

@@ -16,7 +16,7 @@ import pytest
 
 from clsys.shards.manifest import read_manifest
 from clsys.shards.reader import load_shards, read_shard
-from data_prep import pairs_read
+from data_prep import pairs_read, pairs_rows
 from data_prep.__main__ import main
 
 @dataclass
@@ -137,7 +137,7 @@ def test_each_format_reads_back_as_its_rows(fmt, tmp_path, capsys):
     assert manifest["counts"] == {
         "rows": len(rows), "pairs": sum(len(r.positives) for r in rows), "duplicates": 0,
         "query_line_breaks": sum(one_line(r.query) != r.query for r in rows),
-        "skipped": dict.fromkeys(pairs_read.SKIP_REASONS, 0)}
+        "skipped": dict.fromkeys(pairs_rows.SKIP_REASONS, 0)}
     assert manifest["inputs"][0]["format"] == ("arrow" if fmt == "saved" else fmt)
     assert f"pairs/{source}: {manifest['samples']} pairs" in stdout
 
@@ -168,28 +168,34 @@ def test_source_column_and_option_split_streams_and_duplicates_are_dropped_per_s
 
 # (file name, content, the error after "FILE", the skip reason). Each file also holds a good row first.
 GOOD = '{"query": "good", "positive": "p"}\n'
+
+
+def jsonl_case(row: str, error: str, reason: str) -> tuple[str, str, str, str]:
+    """A JSON lines file of the good row, then ``row``, refused at line 2 with ``error``."""
+    return "a.jsonl", GOOD + row + "\n", f":2: {error}", reason
+
+
 BAD_ROWS = {
-    "missing_query": ("a.jsonl", GOOD + '{"positive": "p"}\n', ":2: no query (query / anchor / question)",
-                      "missing_query"),
-    "blank_query": ("a.jsonl", GOOD + '{"query": "  ", "positive": "p"}\n', ":2: column 'query': is empty or missing",
-                    "missing_query"),
-    "missing_positive": ("a.jsonl", GOOD + '{"query": "q", "pos": []}\n', ":2: column 'pos': is empty or missing",
-                         "missing_positive"),
-    "number_query": ("a.jsonl", GOOD + '{"query": 7, "positive": "p"}\n',
-                     ":2: column 'query': is a number, not a string", "wrong_type"),
-    "negatives_item": ("a.jsonl", GOOD + '{"query": "q", "positive": "p", "negatives": ["n", 3]}\n',
-                       ":2: column 'negatives': item 1 is a number, not a string", "wrong_type"),
-    "negatives_string": ("a.jsonl", GOOD + '{"query": "q", "positive": "p", "negatives": "n"}\n',
-                         ":2: column 'negatives': is a string, not a list of strings", "wrong_type"),
-    "not_json": ("a.jsonl", GOOD + '{"query": "q", "positive": \n', ":2: not JSON", "bad_line"),
-    "not_object": ("a.jsonl", GOOD + '["q", "p"]\n', ":2: not a JSON object but a list", "bad_line"),
+    "missing_query": jsonl_case('{"positive": "p"}', "no query (query / anchor / question)", "missing_query"),
+    "blank_query": jsonl_case('{"query": "  ", "positive": "p"}', "column 'query': is empty or missing",
+                              "missing_query"),
+    "missing_positive": jsonl_case('{"query": "q", "pos": []}', "column 'pos': is empty or missing",
+                                   "missing_positive"),
+    "number_query": jsonl_case('{"query": 7, "positive": "p"}', "column 'query': is a number, not a string",
+                               "wrong_type"),
+    "negatives_item": jsonl_case('{"query": "q", "positive": "p", "negatives": ["n", 3]}',
+                                 "column 'negatives': item 1 is a number, not a string", "wrong_type"),
+    "negatives_string": jsonl_case('{"query": "q", "positive": "p", "negatives": "n"}',
+                                   "column 'negatives': is a string, not a list of strings", "wrong_type"),
+    "not_json": jsonl_case('{"query": "q", "positive": ', "not JSON", "bad_line"),
+    "not_object": jsonl_case('["q", "p"]', "not a JSON object but a list", "bad_line"),
     "not_utf8": ("a.jsonl", GOOD.encode() + b'{"query": "\xff", "positive": "p"}\n', ":2: not JSON", "bad_line"),
-    "surrogate": ("a.jsonl", GOOD + '{"query": "q", "positive": "\\ud800"}\n',
-                  ":2: column 'positive': holds a lone surrogate", "bad_text"),
-    "ambiguous_keys": ("a.jsonl", GOOD + '{"query": "q", "question": "q2", "positive": "p"}\n',
-                       ":2: columns 'query' and 'question' both mean the query", "ambiguous_columns"),
-    "bad_source": ("a.jsonl", GOOD + '{"query": "q", "positive": "p", "source": "../up"}\n',
-                   ":2: column 'source': '../up' is not a source name", "bad_source"),
+    "surrogate": jsonl_case('{"query": "q", "positive": "\\ud800"}', "column 'positive': holds a lone surrogate",
+                            "bad_text"),
+    "ambiguous_keys": jsonl_case('{"query": "q", "question": "q2", "positive": "p"}',
+                                 "columns 'query' and 'question' both mean the query", "ambiguous_columns"),
+    "bad_source": jsonl_case('{"query": "q", "positive": "p", "source": "../up"}',
+                             "column 'source': '../up' is not a source name", "bad_source"),
     "csv_fields": ("a.csv", "query,positive\ngood,p\nq,p,extra\n", ":3: 3 fields, the header has 2", "bad_line"),
     "csv_negatives": ("a.csv", 'query,positive,negatives\ngood,p,"[""n""]"\nq,p,[oops\n',
                       ":3: column 'negatives': is not a JSON list of strings", "wrong_type"),

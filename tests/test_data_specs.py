@@ -93,7 +93,7 @@ def test_loader_workers_start_with_what_their_collate_needs_imported(tiny, pairs
     ``transformers.models`` (its import structure scanned from the source files), 0.3 s of CPU per worker start.
     With the forkserver's imports for each recipe's collate (``forkserver_preload``), unpickling it imports nothing;
     and none of them is transformers' modelling code (2 s of CPU a rank before every run's first batch)."""
-    from clsys.data.streaming import forkserver_preload
+    from clsys.data.loader_workers import forkserver_preload
 
     checks = []
     for recipe in RECIPES:

@@ -39,28 +39,24 @@ resume tokenizes the skipped part of the epoch once. The DataLoader gets its own
 starting one never draws from the training process's RNG (dropout masks).
 
 A state saved under another geometry continues its epoch as ``clsys.data.epoch_layout`` deals it (elastic resume).
+
+How the loader worker processes start, what they take from the trainer and how they end with it:
+``clsys.data.loader_workers``.
 """
 from __future__ import annotations
 
 import collections
 import functools
-import gc
 import hashlib
-import io
 import itertools
 import math
-import multiprocessing
 import os
-import pickle
 import random
 import statistics
 import sys
-import threading
 import time
-import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from multiprocessing import forkserver
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -72,26 +68,16 @@ from clsys.data.batch_transport import (WORKER_KEY, PackedBatch, batches_per_tra
                                         one_at_a_time, unpack)
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
+from clsys.data.loader_workers import WorkerSetup, follow_trainer, process_start, worker_start
 from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
 ON_BAD_SAMPLE = ("error", "skip")
-# What the forkserver imports once, so that each loader worker forked from it starts in a fraction of a second
-# ("__main__": the trainer's main module, which each worker would otherwise import again: under Ray, Ray's own).
-_FORKSERVER_PRELOAD = ["__main__", "torch", "transformers", "clsys.data.streaming", "clsys.objectives"]
-
 
 # The batches in flight cover this long of training steps, so that a worker's stall (a shard fetched from object
 # storage: 64 MiB at ~100 MB/s is 0.6 s; a run of long texts) does not reach the step. Batches are small (token ids).
 PREFETCH_SECONDS = 2.0
 MAX_PREFETCH = 64  # batches per loader worker
-# Loader workers run this much nicer than the trainer (Linux's scheduling priority: +10 weighs ~1/10 of a default
-# process). Where the cores are shared (a 2-core machine; a GPU node with more workers than spare cores), a worker
-# that has just been sent its next index is making a bundle exactly when the trainer asks for the one before, and at
-# equal priority the trainer's thread, the one that feeds the step (on a GPU, its kernel launches), waited a time
-# slice for a core: 4-9 ms at ~half the steps that read a bundle, twice that at epoch boundaries. The workers' work is
-# the same, only later in a step, and a step is long against it.
-LOADER_WORKER_NICENESS = 10
 
 
 def prefetch_depth(step_seconds: float | None, workers: int) -> int:
@@ -100,82 +86,6 @@ def prefetch_depth(step_seconds: float | None, workers: int) -> int:
     if not step_seconds:
         return 2
     return max(2, min(MAX_PREFETCH, math.ceil(PREFETCH_SECONDS / step_seconds / workers)))
-
-
-class _ModuleRecorder(pickle.Pickler):
-    """Pickles to nowhere, noting the module of every class and function the pickle names."""
-
-    def __init__(self):
-        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.modules: dict[str, None] = {}  # in the order met
-
-    def persistent_id(self, obj):  # called for every object pickled; None: pickle it as usual
-        defined_in = getattr(obj, "__module__", None) if isinstance(obj, (type, types.FunctionType)) else None
-        self.modules[defined_in or type(obj).__module__] = None
-        return None
-
-
-def forkserver_preload(collate: Callable) -> list[str]:
-    """What the loader workers' forkserver imports once: ``_FORKSERVER_PRELOAD`` and every module that ``collate``'s
-    pickle names. A worker unpickles its collate when it starts, and whatever that imports, each worker imports again
-    at every epoch: MiniLM's tokenizer class alone pulls in ``transformers.models``, whose import scans transformers'
-    source files, 0.3 s of CPU per worker start."""
-    recorder = _ModuleRecorder()
-    recorder.dump(collate)
-    named = [m for m in recorder.modules if m not in ("builtins", "__main__") and not m.startswith("_")]
-    return _FORKSERVER_PRELOAD + [m for m in named if m not in _FORKSERVER_PRELOAD]
-
-
-def _worker_start(collate: Callable) -> multiprocessing.context.BaseContext:
-    """How loader workers start: forked from a forkserver, a clean process, not from the trainer. A worker forked
-    from the trainer shares its pages copy-on-write, and every page the trainer then writes (weights, gradients,
-    optimizer state; ZeRO-Offload's on GPU nodes) stays behind as the worker's private copy: measured on CPU
-    with multilingual-e5-small, ~5 GB per worker, new workers every epoch."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(forkserver_preload(collate))  # heeded by the first loader, which starts it
-    return context
-
-
-# How often a loader worker looks whether its trainer is still there (``follow_trainer``): a read of /proc, ~20 µs.
-TRAINER_CHECK_SECONDS = 0.5
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot, from Linux's /proc): with the pid it names one process,
-    whatever process later reuses the number. None where there is no such process, or it has exited (a zombie), or
-    no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])  # fields 3 (state) and 22 (starttime)
-
-
-def follow_trainer(trainer: int, started: int | None, worker_id: int) -> None:
-    """A loader worker's start (the DataLoader's ``worker_init_fn``): make the worker and its forkserver end with the
-    trainer, process ``trainer`` started at ``started`` (``process_start``; None: unknown, the worker does not watch).
-
-    Ray restarting a rank, the OOM killer and scancel past its grace period kill the trainer's process alone, and its
-    loader processes ran on: torch's watchdog in a worker watches the worker's parent, which is the forkserver, and
-    the forkserver exits once the write end of its "alive" pipe is closed in every process, but multiprocessing hands
-    each process it starts a copy (so that a worker could start processes of its own through it; ours start none).
-    So the worker closes its copy, and the forkserver ends with the trainer; and a thread exits the worker as soon
-    as the trainer is gone: at once (``os._exit``), as its batches have no reader now and an exit the usual way
-    would wait for its queue's thread, which may be blocked on a full pipe."""
-    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # None: not started by a forkserver
-    if alive is not None:
-        os.close(alive)
-        forkserver._forkserver._forkserver_alive_fd = None
-    if started is None:
-        return
-
-    def exit_when_the_trainer_is_gone() -> None:
-        while process_start(trainer) == started:
-            time.sleep(TRAINER_CHECK_SECONDS)
-        os._exit(1)
-
-    threading.Thread(target=exit_when_the_trainer_is_gone, name="clsys-follow-trainer", daemon=True).start()
 
 
 def text_lengths(samples: list[dict]) -> list[int]:
@@ -209,10 +119,7 @@ class RankStream(IterableDataset):
         # A copy of the position: the training process goes on changing its own.
         self.epoch, self.segment, self.rank = state.epoch, len(state.segments) - 1, state.rank
         self.shuffle_buffer, self.skip, self.rotation = state.shuffle_buffer, list(state.produced), state.next_worker
-        # The trainer's environment now (storage endpoints, credentials): the workers' forkserver has the one it
-        # was started with, so each worker takes this one, as a worker forked from the trainer would.
-        self.environ = dict(os.environ)
-        self.niceness = LOADER_WORKER_NICENESS  # read here, in the trainer, where a benchmark may change it
+        self.worker_setup = WorkerSetup.in_trainer()  # the trainer's environment and niceness now, for each worker
 
     def _stream(self, rank: int, worker: int, skipped: collections.Counter) -> Iterator[dict]:
         """The samples of the stream of (rank, worker): its shards through the seeded shuffle buffer."""
@@ -263,18 +170,8 @@ class RankStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        if info is not None and os.environ != self.environ:
-            os.environ.clear()
-            os.environ.update(self.environ)
-        if info is not None and self.niceness:
-            os.nice(self.niceness)  # this worker process, a new one for each segment; its threads start later
         if info is not None:
-            # Out of the garbage collector's sight: what the worker starts with (the forkserver's torch and
-            # transformers, ~220,000 objects, none of them garbage to be). A full collection walks every object it
-            # tracks (0.11-0.13 s here), and the chunk tokenizer's growing dictionary set one off within each
-            # new worker's first 150 batches: a quarter of their time. Frozen, a collection walks what the worker
-            # made since (~70,000 objects, ~20 ms).
-            gc.freeze()
+            self.worker_setup.apply()
         worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
         piece, skip = self.layout.pieces[self.rank][worker], self.skip[worker]
         if skip >= piece.batches:
@@ -324,7 +221,7 @@ class ShardLoader:
         # are asynchronous (non_blocking) rather than staged through a pageable buffer.
         self.pin_memory = pin_memory
         self.bundle = bundle or batches_per_transfer(micro_batch)
-        self.worker_start = _worker_start(collate)
+        self.worker_start = worker_start(collate)
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
