@@ -38,7 +38,7 @@ quickstart: install
 # The docs first: fast, and a broken link, a page left out of the nav or a config field without a
 # meaning (docs/hooks/config_reference.py) fails early. Never --quiet: it hides the warnings that --strict
 # counts, and the build passes (tests/test_docs_build.py). Then the import contracts (pyproject.toml's
-# [tool.importlinter], a second): which way imports may go between clsys's rooms and data_prep.
+# [tool.importlinter], a second): which way imports may go between clsys's packages and data_prep.
 test: install-test
 	$(PY) -m mkdocs build --strict --site-dir site
 	$(VENV)/bin/lint-imports --no-logo --no-cache

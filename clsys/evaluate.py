@@ -4,7 +4,7 @@ An STS set is a list of sentence pairs with human similarity scores (0-5). The e
 score for a pair is the cosine similarity of the two sentence embeddings; the result is
 the Spearman (and Pearson) correlation with the human scores, x 100, as papers report it.
 
-The scoring itself lives in the evaluation room, ``clsys/eval/``: STS in ``clsys.eval.sts`` (the trainer calls
+The scoring itself lives in the evaluation package, ``clsys/eval/``: STS in ``clsys.eval.sts`` (the trainer calls
 it on rank 0 for dev evaluation), cross-lingual retrieval (XQuAD, Tatoeba) in ``clsys.eval.retrieval``, retrieval
 over a BEIR / MTEB folder (nDCG@10, MRR@10, Recall@100) in ``clsys.eval.beir``; this CLI runs every kind. STS
 files come in several layouts, and a folder is a SentEval year or a suite of sets whose average is reported as

@@ -3,7 +3,7 @@
 Inputs: one MediaWiki dump per language (read with ``dumps.DumpReader`` and cleaned with
 ``wiki_tasks.process_page``, exactly as ``data_prep wiki`` does) and Wikipedia's interlanguage-link dumps
 (``langlinks.py``). Output: one stream per language pair, ``OUT/clir/<A>-<B>/``, one sample per
-aligned section pair (OBJECTIVES.md §4.1: the query is a sentence of one side, the document the
+aligned section pair (docs/training/objectives.md#clir-data: the query is a sentence of one side, the document the
 other side's section; the direction is drawn at training time, so records are symmetric).
 
 Steps:

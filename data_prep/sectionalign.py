@@ -1,6 +1,7 @@
 """Section alignment between two language versions of one Wikipedia article (used by ``data_prep align``).
 
-The method (the CLIR paper says only "section alignment" and never published it, OBJECTIVES.md §4.1):
+The method (the CLIR paper says only "section alignment" and never published it,
+docs/training/objectives.md#clir-data):
 
 1. Sections with fewer than ``min_sentences`` sentences are dropped (``section_too_short``).
 2. The lead sections (heading "") are aligned to each other whenever both exist (method ``lead``).

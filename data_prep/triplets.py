@@ -1,6 +1,6 @@
 """``python -m data_prep triplets``: NLI data → (anchor, positive, negative) shards for supervised SimCSE.
 
-Triplets are built per premise as KR-BERT-SimCSE does (shared/spec/OBJECTIVES.md §2.8): the premise
+Triplets are built per premise as KR-BERT-SimCSE does (docs/training/objectives.md#simcse-triplets): the premise
 is the anchor, one entailment hypothesis the positive and one contradiction hypothesis the negative.
 When a premise has several hypotheses with the same label, the last one read wins; premises lacking
 either label are dropped. Premises are grouped by exact text across all inputs, and triplets are
@@ -143,7 +143,7 @@ class Triplets:
     def add(self, row: Row) -> None:
         labels = self.hypotheses.setdefault(row.premise, {})
         if row.label != "neutral":
-            labels[row.label] = row.hypothesis  # last one read wins (§2.8)
+            labels[row.label] = row.hypothesis  # last one read wins, as KR-BERT-SimCSE
 
     def complete(self) -> Iterator[tuple[str, str, str]]:
         for premise, labels in self.hypotheses.items():

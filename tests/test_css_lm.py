@@ -1,4 +1,4 @@
-"""CSS-LM objective (OBJECTIVES.md §3): both stages' losses against float64 loop references, stage A's
+"""CSS-LM objective (docs/training/objectives.md#css-lm): both stages' losses against float64 loop references, stage A's
 detach switch (and its resume), stage C's frozen heads, retrieval against a naive scoring loop,
 rank positions, one-time bank tokenisation, 2-rank retrieval equal to one process, config checks."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Self-guided CL (OBJECTIVES.md §5): losses vs loop references, frozen parts, 2-rank gradient scale."""
+"""Self-guided CL (docs/training/objectives.md#self-guided): losses vs loop references, frozen parts, 2-rank gradient scale."""
 from __future__ import annotations
 
 import os
@@ -85,7 +85,7 @@ def test_loss_matches_loop_reference_value_and_gradient(loss, b):
 
 
 def test_sg_opt_denominator_excludes_the_anchors_other_positives():
-    """§5.5.4: moving h_{i,m≠k} must not change ℓ_{i,k}; a plain softmax over all views would."""
+    """SG-OPT's denominator: moving h_{i,m≠k} must not change ℓ_{i,k}; a plain softmax over all views would."""
     c, h = _views("sg_opt", 1, seed=3)
     other = h.clone()
     other[0, 1:] = torch.randn(3, 6, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Supervised SimCSE (OBJECTIVES.md §2.3): the loss of a real forward against the naive float64 reference,
+"""Supervised SimCSE (docs/training/objectives.md#simcse-sup): the loss of a real forward against the naive float64 reference,
 gradients, config checks, and the export of the kept MLP as the HF pooler / sentence-transformers Dense."""
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_supervised_loss_matches_naive_reference_and_trains_everything(tiny_mode
 
 
 @pytest.mark.parametrize("objective,key", [
-    ({"export_pooling": "cls_mlp"}, "objective.export_pooling"),  # unsupervised keeps raw CLS (§2.9.3)
+    ({"export_pooling": "cls_mlp"}, "objective.export_pooling"),  # unsupervised keeps raw CLS
     ({"supervised": True, "pooler": "cls", "export_pooling": "cls_mlp"}, "objective.export_pooling"),  # no MLP
     ({"hard_negative_weight": 1.0}, "objective.hard_negative_weight"),  # no hard negatives without triplets
     ({"supervised": True, "export_pooling": "cls_max"}, "objective.export_pooling"),
@@ -110,7 +110,7 @@ def test_export_cls_mlp_is_hf_pooler_and_sentence_transformers_dense(tiny_model,
 
 
 def test_export_unsupervised_keeps_raw_cls_and_the_base_pooler(tiny_model, tmp_path):
-    """The training MLP stays out of the export (raw CLS at inference, §2.9.3); the pooler the folder
+    """The training MLP stays out of the export (raw CLS at inference); the pooler the folder
     carries, for AutoModel's sake, is the base model's, untrained."""
     from safetensors.torch import load_file
 

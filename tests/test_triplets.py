@@ -1,4 +1,4 @@
-"""``python -m data_prep triplets``: per-premise NLI triplets (OBJECTIVES.md §2.8), the CLI and its manifest."""
+"""``python -m data_prep triplets``: per-premise NLI triplets (docs/training/objectives.md#simcse-triplets), the CLI and its manifest."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Labelled classification data for few-shot fine-tuning (OBJECTIVES.md §3.4-3.6).
+"""Labelled classification data for few-shot fine-tuning (docs/training/objectives.md#css-lm).
 
 Three file formats, told apart by extension and then by content:
 

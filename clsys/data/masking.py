@@ -1,5 +1,5 @@
 """BERT-style dynamic masking and the masked-LM loss, shared by every objective with a masked-LM part (TaCL, the SimCSE MLM
-auxiliary, cross-lingual QLM). Spec: shared/spec/OBJECTIVES.md §1.3.
+auxiliary, cross-lingual QLM): docs/training/objectives.md#masking.
 
 For a sequence of n real tokens (special tokens included in n), m = min(cap, max(1, round(p·n)))
 positions are chosen uniformly among the *non-special* ones ([CLS], [SEP], [PAD], [UNK], [MASK]

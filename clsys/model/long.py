@@ -2,7 +2,7 @@
 
 ``python -m clsys.model.long --model DIR_OR_ALIAS --max-positions 1024 [--attention-window 64] --out DIR``
 
-Conversion (OBJECTIVES.md §4.6): the position-embedding table grows to ``--max-positions`` rows by
+Conversion (docs/training/objectives.md#clir-bertlong): the position-embedding table grows to ``--max-positions`` rows by
 tiling the learned rows (rows k·n … (k+1)·n-1 are copies of the original n), so every new position
 starts from a trained vector instead of noise. The attention window is recorded in config.json as
 ``attention_window``; the weights are otherwise untouched, heads included where the checkpoint has them.
@@ -57,7 +57,7 @@ def long_attention_inputs(config, attention_mask: torch.Tensor, document: torch.
     """The attention keyword arguments of an encoder forward over ``[CLS] query [SEP] document [SEP]``
     rows: ``attention_mask`` as is for an ordinary model; for a BertLong (``config.attention_window``
     set) the local/global 4D mask and ``global_tokens``, the query segment (every real token before the
-    document: §4.6), so document tokens see only their window. ``document``: [B, L], 1 on the
+    document), so document tokens see only their window. ``document``: [B, L], 1 on the
     document side (``clsys.objectives.clir.document_side``).
 
     ``dtype``: the encoder's compute dtype (eager attention in bf16 needs a bf16 mask; SDPA takes either).
@@ -88,7 +88,7 @@ class LongSelfAttention(BertSelfAttention):
 
     @classmethod
     def from_local(cls, local: BertSelfAttention) -> "LongSelfAttention":
-        """A copy of ``local`` whose global projections start equal to its local ones (§4.6)."""
+        """A copy of ``local`` whose global projections start equal to its local ones."""
         weight = local.query.weight
         long = cls(local.config, layer_idx=local.layer_idx).to(device=weight.device, dtype=weight.dtype)
         long.load_state_dict(local.state_dict(), strict=False)
@@ -191,7 +191,7 @@ def extend_positions(model: nn.Module, max_positions: int) -> int:
 
     The ``position_ids`` / ``token_type_ids`` buffers are not saved with the weights and are sized at
     construction, so they are rebuilt here too: without that, a model converted in memory would
-    still slice positions from the old 0..n-1 range (§4.9 #7).
+    still slice positions from the old 0..n-1 range.
     """
     embeddings = getattr(model.base_model, "embeddings", None)
     old = getattr(embeddings, "position_embeddings", None)

@@ -1,21 +1,21 @@
-"""Cross-lingual retrieval pretraining (Yu, Fei, Li, WWW 2021): QLM + RR, shared/spec/OBJECTIVES.md §4.
+"""Cross-lingual retrieval pretraining (Yu, Fei, Li, WWW 2021): QLM + RR, docs/training/objectives.md#clir.
 
 Data: ``data_prep align`` writes one ``clir/<A>-<B>`` stream per language pair; a record is an
 aligned pair of Wikipedia sections with both sides' sentences and hard negatives. Each time a
-record is used it becomes one query/document example (§4.1): the direction is drawn with p = 0.5,
+record is used it becomes one query/document example: the direction is drawn with p = 0.5,
 the query is one random sentence of the query side, the document is the whole aligned section in
-the other language. Both tasks read ``[CLS] query [SEP] document [SEP]`` (token types 0 / 1, §4.2).
+the other language. Both tasks read ``[CLS] query [SEP] document [SEP]`` (token types 0 / 1).
 
 The query/document split comes from the tokenizer's sequence ids (``document_side``), not from
 token type ids: XLM-R-style tokenizers (multilingual-e5, XLM-R) give every token type 0, which would
 let QLM mask the document too and make a BertLong's whole row global.
 
-QLM (§4.3): only query tokens are masked (each with p = 0.30, 80/10/10) and predicted with the
+QLM: only query tokens are masked (each with p = 0.30, 80/10/10) and predicted with the
 document fully visible, so predicting them pulls in the other language. The MLM head comes from the
 checkpoint when it has one, else it is new with its decoder tied to the word embeddings (the
-original loaded it under the wrong name and trained a random, untied head: gotcha §4.9.1).
+original loaded it under the wrong name and trained a random, untied head: docs/training/objectives.md#clir-original).
 
-RR (§4.4): a pointwise 2-class cross-entropy on W·dropout(pooler([CLS])) over the positive and
+RR: a pointwise 2-class cross-entropy on W·dropout(pooler([CLS])) over the positive and
 ``rr_negatives`` negatives per query. A negative is one of the record's hard negatives with
 probability 1 − (3/4)^|hard|, else a random section of the document language from a pool of
 recently seen sections (the streaming stand-in for the original's "random section of the sampled
@@ -29,7 +29,7 @@ geometry; bench/clir_recipe.py measured −26 to −44 MRR@10 of the bi-encoder 
 starting encoder's pooled (``export_pooling``) embeddings of the batch's queries and positive
 documents, each read alone as the bi-encoder reads them; e₀ comes from a frozen copy taken at the start.
 
-Schedule (§4.5): faithful by default, every task × language pair is its own optimizer step (QLM on
+Schedule: faithful by default, every task × language pair is its own optimizer step (QLM on
 each pair in shuffled order, then RR on each pair); ``schedule: sum`` instead adds
 λ_qlm·QLM + λ_rr·RR in one step. Pairs are drawn per round with ``pair_temperature`` (see
 ``clsys.data.mixing``). BertLong models (``python -m clsys.model.long``) get their local/global
@@ -65,10 +65,10 @@ class CLIRConfig(ObjectiveConfig):
     # alternate: one optimizer step per task × pair (faithful); sum: one step, losses added
     schedule: Literal["alternate", "sum"] = "alternate"
     pair_temperature: float = 0.0  # 0: each pair once per round, shuffled (faithful); T > 0: p ∝ pair size^(1/T)
-    qlm_weight: float = 1.0  # λ of the QLM loss (§4.5: 1)
-    rr_weight: float = 1.0  # λ of the RR loss (§4.5: 1)
-    mask_probability: float = 0.30  # per query token, independently (§4.3)
-    # query (faithful default), document or mixed: the §4.3 ablations
+    qlm_weight: float = 1.0  # λ of the QLM loss
+    rr_weight: float = 1.0  # λ of the RR loss
+    mask_probability: float = 0.30  # per query token, independently
+    # query (faithful default), document or mixed: the paper's ablations
     mask_mode: Literal["query", "document", "mixed"] = "query"
     rr_negatives: int = 1  # negatives per positive (num_neg)
     rr_in_batch: bool = False  # extension: the batch's other same-language documents as extra negatives
@@ -104,7 +104,7 @@ def document_side(encoding) -> torch.Tensor:
 
 
 def hard_negative_probability(hard: int) -> float:
-    """§4.1: easy (random) with probability (3/4)^|hard|, hard otherwise."""
+    """Easy (random) with probability (3/4)^|hard|, hard otherwise."""
     return 1.0 - 0.75 ** hard
 
 

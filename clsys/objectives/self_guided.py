@@ -1,24 +1,25 @@
-"""Self-Guided Contrastive Learning (SG / SG-OPT; Kim, Yoo & Lee, 2021), OBJECTIVES.md §5.
+"""Self-Guided Contrastive Learning (SG / SG-OPT; Kim, Yoo & Lee, 2021),
+docs/training/objectives.md#self-guided.
 
-Two copies of the encoder see the same sentences (§5.1):
+Two copies of the encoder see the same sentences:
   BERT_T (tuned)  c_i = last-layer ``[CLS]``; its embedding layer ("layer 0") is frozen;
   BERT_F (fixed)  a frozen copy taken at the start; h_{i,k} = its layer-k hidden states
                   (k = 0 is the embedding output) max- or mean-pooled over non-pad tokens.
 Both go through one shared projection head f; similarities are cos(f(u), f(v)) / τ with τ = 0.01.
-BERT_T's ``[CLS]`` is the exported sentence embedding (§5.4); f is discarded.
+BERT_T's ``[CLS]`` is the exported sentence embedding; f is discarded.
 
-Loss variants (``objective.loss``, §5.2), all plus λ·L_reg (squared L2 distance BERT_T ↔ BERT_F):
+Loss variants (``objective.loss``, docs/training/objectives.md#sg-losses), all plus λ·L_reg (squared L2 distance BERT_T ↔ BERT_F):
   sg      NT-Xent over the 2b views {c_i} ∪ {h_i}, h_i from one uniformly sampled layer per sentence;
           every view is an anchor, its partner is the positive, all other 2b−2 views are negatives.
   opt1    only c_i are anchors; negatives {c_j, h_j}_{j≠i}.
   opt2    only c_i are anchors; negatives {h_j}_{j≠i}.
   sg_opt  every layer view h_{i,k} is a positive of c_i, each with its own term whose denominator
           holds that positive and h_{j,m} for all j ≠ i and all layers m — not the anchor's other
-          positives h_{i,m≠k}, not any c_j (§5.2, §5.5.4).
+          positives h_{i,m≠k}, not any c_j.
 The original code's SG (2b logits, b labels, /b) and OPT2 (one h_j negative dropped) are buggy
-(§5.5.6); this file implements the formulas, and the tests check them against loop references.
+(docs/training/objectives.md#sg-original); this file implements the formulas, and the tests check them against loop references.
 
-Cross-rank negatives (``gather``, off by default: the original trains b = 16 on one GPU, §5.5.3):
+Cross-rank negatives (``gather``, off by default: the original trains b = 16 on one GPU):
 every candidate view (h, and c for sg/opt1) is all-gathered (``Ranks.gather_with_grad``); anchors stay
 local and each rank averages over its own anchors, so W ranks × B sentences give exactly the
 gradient of one process × W·B sentences (contrastive.py). Off, each rank contrasts its micro-batch
@@ -46,19 +47,19 @@ from clsys.objectives.ranks import ONE_PROCESS, Ranks
 
 @dataclass
 class SelfGuidedConfig(ObjectiveConfig):
-    loss: Literal["sg", "opt1", "opt2", "sg_opt"] = "sg_opt"  # which loss (§5.2)
-    temperature: float = 0.01  # τ (§5.3)
-    # BERT_F layers over non-pad tokens: max (paper) or mean (code default), §5.5.1
+    loss: Literal["sg", "opt1", "opt2", "sg_opt"] = "sg_opt"  # which loss
+    temperature: float = 0.01  # τ
+    # BERT_F layers over non-pad tokens: max (the paper's) or mean (the original code's default)
     layer_pooling: Literal["max", "mean"] = "max"
-    projection_dim: int = 4096  # width of the shared head f (§5.1)
-    reg_weight: float = 0.1  # λ of the L2 regulariser (§5.2)
-    freeze_embeddings: bool = True  # BERT_T's embedding layer stays fixed (`--freeze`, §5.1)
-    frozen_dropout: bool = False  # BERT_F in train mode (dropout on), as the original code runs it (§5.5.2, §6.2)
+    projection_dim: int = 4096  # width of the shared head f
+    reg_weight: float = 0.1  # λ of the L2 regulariser
+    freeze_embeddings: bool = True  # BERT_T's embedding layer stays fixed (`--freeze` in the original)
+    frozen_dropout: bool = False  # BERT_F in train mode (dropout on), as the original code runs it
     gather: bool = False  # candidates from all ranks (see the module docstring)
 
 
 class ProjectionHead(nn.Module):
-    """f: Linear(d→P) → GELU → Linear(P→P) → GELU, weights ~ N(0, 0.02), biases 0 (§5.1)."""
+    """f: Linear(d→P) → GELU → Linear(P→P) → GELU, weights ~ N(0, 0.02), biases 0."""
 
     def __init__(self, dim: int, proj_dim: int):
         super().__init__()
@@ -112,7 +113,7 @@ def opt2_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks
 
 
 def sg_opt_loss(c: torch.Tensor, h: torch.Tensor, temperature: float, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
-    """SG-OPT (§5.2): c [b, P] against every layer view h [b, V, P]; mean over the b·V (anchor, layer) terms.
+    """SG-OPT: c [b, P] against every layer view h [b, V, P]; mean over the b·V (anchor, layer) terms.
 
     ℓ_{i,k} = −log φ(c_i, h_{i,k}) / (φ(c_i, h_{i,k}) + Σ_m Σ_{j≠i} φ(c_i, h_{j,m})).
     """
@@ -170,13 +171,13 @@ class SelfGuided(Objective):
         self.train(self.training)  # from_pretrained left both copies in eval mode: apply the mode rule now
 
     def train(self, mode: bool = True) -> SelfGuided:
-        # The loop calls train() on everything; BERT_F keeps dropout off unless asked (§5.5.2, §6.2).
+        # The loop calls train() on everything; BERT_F keeps dropout off unless asked.
         super().train(mode)
         self.frozen.train(mode and self.oc.frozen_dropout)
         return self
 
     def regularisation(self) -> LossOutput:
-        """λ·L_reg, L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (§5.2, §5.5.5): squared, summed, no ½, no averaging.
+        """λ·L_reg, L_reg = Σ_p ‖θ_T,p − θ_F,p‖² (docs/training/objectives.md#sg-losses): squared, summed, no ½, no averaging.
 
         Frozen tensors of BERT_T equal BERT_F's bitwise and add exactly 0, so only trainable ones are summed.
         BERT_T has no NSP pooler here (build_encoder drops it); it is unused by [CLS] pooling anyway.
@@ -193,7 +194,7 @@ class SelfGuided(Objective):
             hidden_states = self.encode(self.frozen, batch, output_hidden_states=True).hidden_states
             views = pool_layers(hidden_states, batch["attention_mask"], self.oc.layer_pooling)  # [b, L+1, d]
         if self.oc.loss != "sg_opt":
-            # σ: one layer per sentence, uniform over 0..L (§5.1); only the sampled views are projected.
+            # σ: one layer per sentence, uniform over 0..L; only the sampled views are projected.
             layers = torch.randint(0, views.shape[1], (views.shape[0],), device=views.device)
             views = views[torch.arange(views.shape[0], device=views.device), layers].unsqueeze(1)
         return torch.cat([c.unsqueeze(1), self.head(views)], dim=1)
@@ -214,5 +215,5 @@ class SelfGuided(Objective):
         return self.model
 
     def export_spec(self) -> ExportSpec:
-        # SG-BERT's inference embedding is BERT_T's last-layer [CLS] (§5.4).
+        # SG-BERT's inference embedding is BERT_T's last-layer [CLS].
         return ExportSpec("cls", self.encoder_prefix())

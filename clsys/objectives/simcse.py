@@ -1,10 +1,10 @@
-"""SimCSE (Gao et al., 2021), unsupervised and supervised, as specified in shared/spec/OBJECTIVES.md §2.1-2.4.
+"""SimCSE (Gao et al., 2021), unsupervised and supervised: docs/training/objectives.md#simcse.
 
 Unsupervised: each sentence is fed twice in one forward pass, so the two copies get independent
 dropout masks; the copies are the positive pair. Training pools ``[CLS]`` through a fresh MLP
 (Linear + tanh); inference uses the raw ``[CLS]`` vector (``export_pooling: cls``).
 
-Supervised (``supervised: true``, §2.3): NLI triplets (premise, entailment, contradiction) from the
+Supervised (``supervised: true``): NLI triplets (premise, entailment, contradiction) from the
 ``triplets`` stream are encoded as 3B rows in one forward pass; every contradiction is a hard
 negative for every anchor, the own one weighted by e^α (α = ``hard_negative_weight``). The MLP is
 kept at inference (``export_pooling: cls_mlp``; export turns it into the HF pooler).
@@ -32,14 +32,14 @@ from clsys.objectives.ranks import ONE_PROCESS
 
 @dataclass
 class SimCSEConfig(ObjectiveConfig):
-    temperature: float = 0.05  # τ of the InfoNCE loss (§2.2)
+    temperature: float = 0.05  # τ of the InfoNCE loss
     # training pooling: cls_mlp (fresh Linear+tanh on CLS) or cls/mean/max
     pooler: Literal["cls_mlp", Pooling] = "cls_mlp"
     export_pooling: Literal["cls_mlp", Pooling] = "cls"  # inference pooling of the exported encoder (SimCSE: raw CLS)
     gather: bool = True  # negatives from the global batch (all ranks) rather than the local one
-    supervised: bool = False  # NLI triplets with hard negatives (§2.3) instead of dropout views of sentences
-    hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (§2.3; supervised only)
-    mlm_weight: float = 0.0  # > 0 adds the MLM auxiliary on a separate masked forward (§2.3: 0.1 when on)
+    supervised: bool = False  # NLI triplets with hard negatives instead of dropout views of sentences
+    hard_negative_weight: float = 0.0  # α, the log of the own hard negative's weight (supervised only)
+    mlm_weight: float = 0.0  # > 0 adds the MLM auxiliary on a separate masked forward (the paper: 0.1 when on)
     mlm_probability: float = 0.15  # share of tokens masked for the MLM auxiliary
 
 
@@ -82,7 +82,7 @@ class SimCSEData(DataSpec):
             # Every sentence twice: rows [0, B) are view 1 and rows [B, 2B) view 2 of the same sentences.
             batch = self.sentences(samples, copies=2)
         if self.masker is not None:
-            # Masked copies of every row, for the MLM auxiliary's separate forward pass (§2.3).
+            # Masked copies of every row, for the MLM auxiliary's separate forward pass.
             batch["masked_input_ids"], batch["chosen"] = self.masker(batch["input_ids"], batch["attention_mask"])
         return batch
 
@@ -103,7 +103,7 @@ class SimCSE(Objective):
         super().__init__(cfg, tokenizer)
         oc: SimCSEConfig = cfg.objective
         if oc.export_pooling == "cls_mlp" and not (oc.supervised and oc.pooler == "cls_mlp"):
-            # §2.9.3: unsupervised SimCSE drops the MLP at inference on purpose; supervised keeps it.
+            # Unsupervised SimCSE drops the MLP at inference on purpose; supervised keeps it.
             raise ValueError("objective.export_pooling: cls_mlp keeps the training MLP at inference, which "
                              "needs objective.supervised: true and objective.pooler: cls_mlp")
         if oc.hard_negative_weight and not oc.supervised:

@@ -1,17 +1,17 @@
-"""TaCL: token-aware contrastive continual pretraining (Su et al., 2022), shared/spec/OBJECTIVES.md §1.
+"""TaCL: token-aware contrastive continual pretraining (Su et al., 2022), docs/training/objectives.md#tacl.
 
 A frozen teacher (a copy of the starting encoder) reads the clean sequence; the trained student reads
 the masked one. At every masked position i the student's last-layer vector must pick out the
 teacher's vector at the same position among the teacher vectors of all positions of the same
 sequence (cosine / τ, τ = 0.01). Added to the student's MLM loss (both with weight 1).
 
-Departures from the original code, each a deliberate fix (§1.9):
+Departures from the original code, each a deliberate fix (docs/training/objectives.md#tacl-original):
 - the teacher runs under no-grad in eval mode (the original ran it in train mode, with dropout,
   and kept its activations); ``teacher_dropout: true`` restores train-mode dropout;
 - batches are padded dynamically and pad positions are left out of the softmax; the original padded
   to a fixed 256 and kept the pads as negatives: ``pad_negatives: true`` pads to ``data.max_length``
   and keeps them, which is the faithful denominator;
-- NSP is off by default (``nsp_weight: 0``); the original code adds it with weight 1 (§1.9 gotcha 1),
+- NSP is off by default (``nsp_weight: 0``); the original code adds it with weight 1,
   which ``nsp_weight: 1`` restores. Pairs are built per batch from the ``documents`` passages (below),
   not once at load time as the original does.
 """
@@ -37,11 +37,11 @@ from clsys.objectives.contrastive import cosine_logits
 
 @dataclass
 class TaCLConfig(ObjectiveConfig):
-    temperature: float = 0.01  # τ of the token-level InfoNCE (§1.5)
-    mask_probability: float = 0.15  # share of tokens masked (§1.3)
+    temperature: float = 0.01  # τ of the token-level InfoNCE
+    mask_probability: float = 0.15  # share of tokens masked
     mask_cap: int = 64  # at most this many masked positions per sequence (0.25 · 256 in the original)
-    mlm_weight: float = 1.0  # weight of the student's MLM loss (§1.5: 1)
-    contrastive_weight: float = 1.0  # weight of the token-level contrastive loss (§1.5: 1)
+    mlm_weight: float = 1.0  # weight of the student's MLM loss
+    contrastive_weight: float = 1.0  # weight of the token-level contrastive loss
     pad_negatives: bool = False  # fixed-length padding with pads in the denominator (faithful)
     teacher_dropout: bool = False  # run the frozen teacher in train mode (faithful) instead of eval
     export_pooling: Pooling = "cls"  # pooling written to the exported sentence-transformers folder
@@ -49,7 +49,7 @@ class TaCLConfig(ObjectiveConfig):
 
 
 def nsp_pairs(samples: list[dict[str, Any]], rng: random.Random) -> tuple[list[str], list[str], list[int]]:
-    """BERT sentence-pair instances from passages (§1.2): segment A is the passage's first k sentences;
+    """BERT sentence-pair instances from passages: segment A is the passage's first k sentences;
     segment B is the rest of it (label 0) or, with probability 0.5, sentences of another page's passage
     in the batch (label 1, BERT's convention). Sentences are re-split with the language-aware splitter
     that built the passages; a one-sentence passage is cut between words."""
@@ -108,7 +108,7 @@ class TaCLData(DataSpec):
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         extra = {}
         if self.oc.nsp_weight:
-            # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first (§1.2).
+            # [CLS] A [SEP] B [SEP] with segment ids; truncation trims the longer segment first.
             firsts, seconds, labels = nsp_pairs(samples, random.Random(random.getrandbits(64)))
             batch = self.tokenizer(firsts, seconds, padding="max_length" if self.oc.pad_negatives else True,
                                    truncation="longest_first", max_length=self.cfg.data.max_length, return_tensors="pt")

@@ -1,7 +1,7 @@
 """Recipes: a YAML file that names an objective and its settings (bundled ones in ``clsys/configs``: quickstart,
 simcse_unsup, ...; or a path) → a checked ``Config``; and the recipes that bring pieces of their own.
 
-This room knows the objectives: the step loop's (``clsys.objectives.OBJECTIVES``) and those of the recipe homes
+This package knows the objectives: the step loop's (``clsys.objectives.OBJECTIVES``) and those of the recipe homes
 under it (``clsys/recipes/<name>/``, ``clsys.recipes.home``), found by looking at its own sub-packages. It hands
 each objective's config dataclass to ``clsys.config_parsing``, which parses and checks but imports no objective,
 so that objectives can build on the config.

@@ -1,4 +1,4 @@
-"""CSS-LM (Su et al., 2021; OBJECTIVES.md §3): few-shot classification that retrieves from an unlabeled corpus.
+"""CSS-LM (Su et al., 2021; docs/training/objectives.md#css-lm): few-shot classification that retrieves from an unlabeled corpus.
 
 The recipe's home (``clsys.recipes.home``), everything of its own in one place:
 

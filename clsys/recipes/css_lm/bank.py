@@ -1,17 +1,17 @@
 """CSS-LM's retrieval bank: encoded unlabeled sentences, relevance scoring, top-k, the retrieved group.
 
-Views (OBJECTIVES.md §3.2). Every input ``<s> x </s>`` has two vectors from the last hidden layer:
+Views (docs/training/objectives.md#css-lm-model). Every input ``<s> x </s>`` has two vectors from the last hidden layer:
 the class view u(x) at the first token and the domain view v(x) at the final separator
 (``two_views``). Taking the last attended position finds that separator without rewriting literal
 ``</s>`` strings in the text, as the original code had to.
 
-Relevance (§3.4 step 2). With the frozen pair scorers C and D (``nn.Linear(2d → 2)``),
+Relevance (docs/training/objectives.md#css-lm-stage-c). With the frozen pair scorers C and D (``nn.Linear(2d → 2)``),
 
     s(q, d) = −log softmax(C([u_q; u_d]))[0] + w · −log softmax(D([v_q; v_d]))[0],   w = 0.5,
 
 higher meaning more related (class 1 of a scorer is "same class" / "same domain"). Query u is
 paired with bank u and query v with bank v; the original bank files held the two views swapped
-(§3.7 gotcha 1), which we deliberately do not reproduce. ``clsys.recipes.css_lm.pair_heads.pair_logits``
+(docs/training/objectives.md#css-lm-original), which we deliberately do not reproduce. ``clsys.recipes.css_lm.pair_heads.pair_logits``
 scores a query batch against a bank chunk without forming pairs: memory is B × chunk_rows × 2 logits.
 Score in float32 (queries and scorers): in bf16 many distinct rows would tie.
 
@@ -239,7 +239,7 @@ def load_all(url: str) -> RetrievalBank:
 
 
 # ---------------------------------------------------------------------------------------------
-# The retrieved group (§3.4 steps 3-4)
+# The retrieved group (stage C)
 
 
 def sample_rank_positions(k: int, generator: torch.Generator, with_replacement: bool = True) -> torch.Tensor:
@@ -286,7 +286,7 @@ class GroupLayout:
 
 def retrieved_group(query_labels: torch.Tensor, topk_indices: torch.Tensor,
                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GroupLayout]:
-    """The group G of §3.4 step 4 for queries with labels [B], top-k lists [B, k] and positions [K].
+    """The group G of stage C for queries with labels [B], top-k lists [B, k] and positions [K].
 
     Returns ``doc_indices`` [B·K] (global bank rows to fetch and re-encode: query i's
     ``topk_indices[i, positions]``, query after query), ``group_labels`` [B·(K+1)] and the layout.

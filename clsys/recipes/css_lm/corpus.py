@@ -1,6 +1,6 @@
 """The unlabeled corpus CSS-LM retrieves from: ``data_prep wiki`` sentence shards read in corpus order.
 
-The bank (OBJECTIVES.md §3.3) is "the first N corpus sentences with at least ``min_tokens``
+The bank (docs/training/objectives.md#css-lm-bank) is "the first N corpus sentences with at least ``min_tokens``
 tokens". Shards are read in manifest order and samples in shard order, never shuffled, so the
 bank's rows are the same whatever the number of workers that encode them: worker r of W takes the
 qualifying sentences numbered r·N/W … (r+1)·N/W − 1.

@@ -1,17 +1,18 @@
-"""CSS-LM (Su et al., 2021): few-shot fine-tuning with retrieval from an unlabeled corpus, OBJECTIVES.md §3.
+"""CSS-LM (Su et al., 2021): few-shot fine-tuning with retrieval from an unlabeled corpus,
+docs/training/objectives.md#css-lm.
 
 This is the objective core: the model, both stages' losses, the per-step retrieval and
 classification. Running stage A, building the bank (stage B), stage C and the per-epoch dev/test
 evaluation belong to the pipeline that drives it (``clsys.recipes.css_lm.pipeline``). ``method:
 finetune`` is the plain fine-tuning baseline: stage A with the CE loss alone.
 
-Model (§3.2). Every input ``[CLS] x [SEP]`` (``<s> x </s>``) gives two views from the last layer
+Model. Every input ``[CLS] x [SEP]`` (``<s> x </s>``) gives two views from the last layer
 (``two_views``): the class view u at the first token and the domain view v at the final separator.
 The task head classifies [u; v]; three pair scorers say "same class" / "same domain" (class 1):
 C on [u_a; u_b], D on [v_a; v_b], DC on [v_a; v_b; u_a; u_b]. Their losses are pairwise CE over
 all ordered pairs (``clsys.recipes.css_lm.pair_heads``), not InfoNCE: the released code has no temperature.
 
-Stage A, ``stage: warmup`` (§3.4):  L_A = L_CE + L_DC^in + L_D^init + L_C^in.
+Stage A, ``stage: warmup``:  L_A = L_CE + L_DC^in + L_D^init + L_C^in.
 L_D^init is one CE averaged over all its pairs together: the B in-batch pairs [v_i; v_{B−1−i}]
 labelled 1 and the B·n pairs of query i with its own n = ``domain_negatives`` random corpus
 sentences labelled 0. The original also drew "1" pairs from the first |train| corpus lines,
@@ -21,8 +22,8 @@ training forwards, C and D see detached views, so from then on only those heads 
 L_C^in and L_D^init (the original detaches from epoch 1). The count is a persistent buffer, so it
 survives checkpoint and resume.
 
-Stage C, ``stage: css`` (§3.4): every step retrieves the top-K bank sentences of each query by
-s = s_C + w·s_D with stage A's C and D (frozen here, §3.7 gotcha 2; the bank is static too), draws
+Stage C, ``stage: css``: every step retrieves the top-K bank sentences of each query by
+s = s_C + w·s_D with stage A's C and D (frozen here; the bank is static too), draws
 K rank positions shared by every query, re-encodes the retrieved sentences with gradient, and
 trains on L_CE + ½(L_DC^out + L_DC^in), where L_DC^out runs over the group G of every query's K
 retrieved sentences (pseudo-labelled with the query's label) and the query itself.
@@ -71,11 +72,11 @@ class CSSLMConfig(ObjectiveConfig):
     detach_after_micro_steps: int = 0  # stage A: C and D get detached views after this many forwards; 0 = never
     classifier_dropout: float = 0.1  # both dropouts of the task head
     bank_chunk_rows: int = 65536  # bank rows scored at once during retrieval
-    bank_refresh_every: int = 0  # stage C: re-encode the bank with the current model every N steps (0 = static, §3.3)
+    bank_refresh_every: int = 0  # stage C: re-encode the bank with the current model every N steps (0 = static, as the original)
 
 
 def task_head(hidden_size: int, num_labels: int, dropout: float) -> nn.Sequential:
-    """The classifier over [u; v] (§3.2): dropout → Linear(2d→2d) → tanh → dropout → Linear(2d→C)."""
+    """The classifier over [u; v]: dropout → Linear(2d→2d) → tanh → dropout → Linear(2d→C)."""
     d2 = 2 * hidden_size
     return nn.Sequential(nn.Dropout(dropout), nn.Linear(d2, d2), nn.Tanh(), nn.Dropout(dropout), nn.Linear(d2, num_labels))
 
@@ -132,7 +133,7 @@ class CSSLM(Objective):
         self.dc_scorer = nn.Linear(4 * d, 2)  # DC on [v_a; v_b; u_a; u_b]
         if oc.stage == "css":
             # Stage A's retrieval heads score the static bank; training them would move the queries'
-            # notion of relevance away from the bank they were built with (§3.7 gotcha 2).
+            # notion of relevance away from the bank they were built with.
             self.class_scorer.requires_grad_(False)
             self.domain_scorer.requires_grad_(False)
         # Training forwards done so far: drives stage A's detach switch and seeds stage C's rank positions.
@@ -248,7 +249,7 @@ class CSSLM(Objective):
         """Use ``local_bank`` (this rank's shard; the whole bank in one process) for stage C retrieval.
 
         The texts are tokenised here, once, truncated to ``data.max_length`` (or ``token_ids`` is
-        that tokenisation, e.g. from the bank builder): never per step (§3.7 gotcha 10). The bank
+        that tokenisation, e.g. from the bank builder): never per step (the original re-tokenised every step). The bank
         stays on the device it is on; ``top_k`` moves one chunk at a time to the queries' device.
         """
         if token_ids is None:
@@ -327,7 +328,7 @@ class CSSLM(Objective):
         positions = self.rank_positions(count)
         topk, docs = self.retrieve(u.detach(), v.detach(), positions)
         _, group_labels, layout = retrieved_group(labels, topk, positions)
-        # The retrieved sentences are encoded by the current model, with gradient (§3.4 step 4).
+        # The retrieved sentences are encoded by the current model, with gradient.
         u_docs, v_docs = self._views(docs["input_ids"], docs["attention_mask"])
         return self.css_loss(u, v, labels, u_docs, v_docs, group_labels, layout)
 

@@ -1,4 +1,5 @@
-"""CSS-LM's "contrastive" terms: a learned linear classifier over every ordered pair (OBJECTIVES.md §3.2, §3.4).
+"""CSS-LM's "contrastive" terms: a learned linear classifier over every ordered pair
+(docs/training/objectives.md#css-lm-model).
 
 A pair scorer is an ``nn.Linear(2·Σd → 2)`` applied to the concatenated features of two inputs a and
 b, e.g. DC on ``[v_a; v_b; u_a; u_b]``. Forming all pairs would cost M²·2Σd memory; but a Linear

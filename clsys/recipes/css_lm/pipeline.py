@@ -1,4 +1,5 @@
-"""The CSS-LM recipe inside Ray Train workers: stage A, the bank (stage B), stage C, export (OBJECTIVES.md §3.4).
+"""The CSS-LM recipe inside Ray Train workers: stage A, the bank (stage B), stage C, export
+(docs/training/objectives.md#css-lm).
 
 One worker group runs the whole recipe for one seed, every stage data-parallel over the same ranks:
 
