@@ -6,11 +6,15 @@ The input: --mb MB (10^6 bytes) of JSON lines ``{"query", "positive", "negatives
 words drawn with a fixed seed from a vocabulary of 5,000 made-up words (a query 5-15 words, a passage 50-90:
 ~2.1 KB a line, about MS MARCO's hard-negative rows), 1% of the lines repeating an earlier one (dropped as
 duplicates); built once and cached in --work-dir. ``python -m data_prep pairs`` runs on it as a subprocess
-with ``--workers 1`` (one process doing everything) and ``--workers 2`` (two parsing processes and the main
-one, which reads the parts, drops duplicates and writes the shards), alternating, --repeat times each; a row
-is the run with the least wall time. Columns: wall seconds, input MB/s, MB/s per process (over the N
-requested), CPU seconds of the whole tree (user + system, ``os.wait4``) and MB per CPU-second, peak RSS of the
-largest process and peak summed PSS of the tree. The runs' manifests must be identical. Then ``ratio
+with ``--workers 1`` (one process doing everything) and ``--workers 2`` (two worker processes that read and
+parse the parts dealt to them and write their own shards, and the main one, which cuts the input into parts
+and drops duplicates by the digests the workers send), alternating, --repeat times each; a row is the run
+with the least wall time. Columns: wall seconds, input MB/s, MB/s per process (over the N requested), CPU
+seconds of the whole tree (user + system, ``os.wait4``) and MB per CPU-second, the cores the run had (its CPU
+seconds and the machine's idle core-seconds during it, over its wall seconds: on a machine shared with other
+jobs, 2 processes cannot run at 2× one on fewer than 2), peak RSS of the largest process and peak summed PSS
+of the tree; the load average before and after. Every run must write the same pairs (read back, compared as
+a sorted list) with the same counts, and the runs of one N identical manifests. Then ``ratio
 pairs_2w_over_1w`` (MB/s of 2 processes over 1; the target is ≥ 1.7) and the memory a pair's digest takes in
 the main process's set of seen pairs (tracemalloc over 10^6 digests). Not part of the test suite.
 """
@@ -19,12 +23,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
 import tracemalloc
 from pathlib import Path
 
+from clsys.shards.reader import load_shards, read_shard
 from process_runs import measure  # bench/, beside this script
 
 MB = 10**6
@@ -66,6 +72,13 @@ def digest_bytes(n: int = 10**6) -> float:
     return size / n
 
 
+def pairs_written(stream: Path) -> str:
+    """The sha256 of a stream's pairs, sorted: the same for any order and any shards they are written in."""
+    lines = sorted(json.dumps([s["txt"], s["json"]], sort_keys=True) for shard in load_shards(str(stream), "pairs")
+                   for s in read_shard(shard))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=75.0, help="input size in MB (default: 75)")
@@ -78,29 +91,39 @@ def main() -> None:
         print(f"building {path} ...", flush=True)
         build_input(path, int(args.mb * MB))
     size = path.stat().st_size
+    print("load average before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     best: dict[int, object] = {}
-    manifests = set()
+    manifests: dict[int, set[str]] = {1: set(), 2: set()}
+    written = set()
     for _ in range(args.repeat):
         for workers in (1, 2):
             out = args.work_dir / f"out-{workers}w"
             shutil.rmtree(out, ignore_errors=True)
             run = measure([sys.executable, "-m", "data_prep", "pairs", "--input", str(path), "--out", str(out),
                            "--workers", str(workers)], out)
-            manifests.add((out / "pairs" / path.stem / "manifest.json").read_text())
+            stream = out / "pairs" / path.stem
+            manifest = (stream / "manifest.json").read_text()
+            manifests[workers].add(manifest)
+            written.add((json.dumps({k: json.loads(manifest)[k] for k in ("samples", "counts", "inputs")}),
+                         pairs_written(stream)))
             shutil.rmtree(out)
             if workers not in best or run.wall_s < best[workers].wall_s:
                 best[workers] = run
-    assert len(manifests) == 1, "the runs' manifests differ"
-    counts = json.loads(manifests.pop())["counts"]
+    assert all(len(m) == 1 for m in manifests.values()), "runs of one --workers differ"
+    assert len(written) == 1, "the runs wrote different pairs or counts"
+    counts = json.loads(manifests[1].pop())["counts"]
     print(f"input: {size / MB:.1f} MB, {counts['rows']:,} rows -> {counts['pairs']:,} pairs "
           f"({counts['duplicates']:,} duplicates dropped); best of {args.repeat}")
-    header = ["procs", "wall s", "MB/s", "MB/s/proc", "CPU s", "MB/CPU-s", "max RSS MB", "tree PSS MB"]
+    header = ["procs", "wall s", "MB/s", "MB/s/proc", "CPU s", "MB/CPU-s", "cores had", "max RSS MB",
+              "tree PSS MB"]
     print("  ".join(f"{h:>11}" for h in header))
     for workers, run in best.items():
         rate = size / MB / run.wall_s
         row = [workers, f"{run.wall_s:.1f}", f"{rate:.2f}", f"{rate / workers:.2f}", f"{run.cpu_s:.1f}",
-               f"{size / MB / run.cpu_s:.2f}", f"{run.max_rss_mb:.0f}", f"{run.tree_pss_mb:.0f}"]
+               f"{size / MB / run.cpu_s:.2f}", f"{(run.cpu_s + run.idle_core_s) / run.wall_s:.2f}",
+               f"{run.max_rss_mb:.0f}", f"{run.tree_pss_mb:.0f}"]
         print("  ".join(f"{v:>11}" for v in row))
+    print("load average after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"ratio pairs_2w_over_1w {best[1].wall_s / best[2].wall_s:.2f} (target >= 1.7)")
     print(f"dedup: {digest_bytes():.0f} bytes of memory a pair (16-byte digests in a set)")
 

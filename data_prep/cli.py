@@ -25,17 +25,20 @@ def positive(typ, allow_zero: bool = False, most: int | None = None):
     return parse
 
 
-def add_parallelism(p: argparse.ArgumentParser, work: str, ray_work: str, ray_needs: str = "") -> None:
+def add_parallelism(p: argparse.ArgumentParser, work: str, ray_work: str, ray_needs: str = "",
+                    output: str = "output is identical for any N",
+                    ray_output: str = "failed tasks are retried; output is identical to a run in one process") -> None:
     """``--workers`` and ``--ray``, which the commands that spread their work over processes or Ray tasks
     (``ray_pool.RayPool``) share, in the command's words: ``work``, what a worker process does ("parse rows");
-    ``ray_work``, what runs as Ray tasks; ``ray_needs``, what a Ray run asks of the inputs, if anything."""
+    ``ray_work``, what runs on Ray; ``ray_needs``, what a Ray run asks of the inputs, if anything; ``output``
+    and ``ray_output``, what the output of a run with workers or on Ray is to that of one process."""
     p.add_argument("--workers", type=positive(int), metavar="N",
-                   help=f"processes that {work}; output is identical for any N (default: 1; with --ray, the CPUs "
-                        "of the local cluster it starts: all cores)")
+                   help=f"processes that {work}; {output} (default: 1; with --ray, the CPUs of the local cluster it "
+                        "starts: all cores)")
     p.add_argument("--ray", action="store_true",
                    help=f"{ray_work}, on the cluster at RAY_ADDRESS (as under `ray job submit`; --workers is then "
                         f"ignored) or else on a local cluster on 127.0.0.1; {ray_needs + '; ' if ray_needs else ''}"
-                        "failed tasks are retried; output is identical to a run in one process")
+                        f"{ray_output}")
 
 
 def out_problem(out: str, writes: Iterable[str], reads: Iterable[str]) -> str | None:

@@ -1,14 +1,17 @@
 """``python -m data_prep pairs``: (query, positive, negatives) data → one format 2 stream per source.
 
 Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_to_disk`` folder) are checked
-first, then read in parts by ``pairs_read`` (workers turn rows into records, as ``pairs_rows`` says a row
-means, with a process pool as ``data_prep wiki`` has, or Ray tasks with ``--ray``: ``ray_pool.RayPool``, fed by
-a streaming task per input). This process takes their results in input order (``wiki_tasks.ordered_map``),
-drops exact duplicate pairs of a source by their 16-byte digest, counts, and hands the records to one
-``ShardWriter`` per source, as ``wiki`` writes its sentences: shuffled by ``--shuffle-window-mb`` windows, blocks
-of ``--block-records``. The output is therefore identical for any number of workers. Streams are
-``OUT/pairs/<source>``; their manifests are written last, once every stream's shards are published, so a failed
-run leaves none.
+first, then cut into parts by ``pairs_read`` (in this process, or with ``--ray`` by a streaming task per input)
+and dealt in turn to the workers (``pairs_worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
+Ray actors with ``--ray``, or this process for one worker). A worker turns a part's rows into records (as
+``pairs_rows`` says a row means), keeps them, and answers with their 16-byte digests and counts. This process
+takes the answers in input order (``wiki_tasks.ordered_map``, as ``data_prep wiki`` does), holds the digests of
+every source's pairs so far, counts, and tells each worker which of its part's pairs are duplicates: exact
+duplicates are dropped across the whole input, whichever workers read them. The worker writes the others with
+its own ``ShardWriter`` per source, so no record crosses a process boundary. What a worker writes depends on
+the input and the number of workers alone (parts are dealt in turn); the pairs written and the counts do not
+depend on the number of workers. Streams are ``OUT/pairs/<source>``; their manifests, listing every worker's
+shards, are written last, once every worker's shards are published, so a failed run leaves none.
 
 A record's text is the query (a format 2 text is one line: its line breaks become spaces, counted as
 ``query_line_breaks``); its metadata ``{positive, negatives, source, instruction}`` (``instruction`` is ""
@@ -19,8 +22,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import itertools
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -29,15 +32,16 @@ import time
 from tqdm import tqdm
 
 from clsys import storage
+from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS
 from clsys.shards.manifest import previous_shas
-from clsys.shards.blocks import MAX_BLOCK_RECORDS
-from clsys.shards.writer import ShardWriter
+from clsys.shards.writer import write_manifest
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.pairs_read import (PairsInput, Unreadable, check_source, default_source, open_input, process_part,
-                                  read_parts)
-from data_prep.pairs_rows import SKIP_REASONS, InputError, PartResult
+from data_prep.pairs_read import PairsInput, Unreadable, check_source, default_source, open_input, read_parts
+from data_prep.pairs_rows import DIGEST_BYTES, SKIP_REASONS, InputError, PartResult
+from data_prep.pairs_worker import PairsWorker, WrittenShards
 from data_prep.ray_pool import RayPool
+from data_prep.stateful_pool import StatefulPool
 from data_prep.wiki_tasks import ordered_map
 
 COUNTS = ("rows", "pairs", "duplicates", "query_line_breaks")  # a source's counts, before its skip reasons
@@ -57,17 +61,22 @@ class InputReport:
 
 
 class PairsJob:
-    """State of one run: a writer, a set of digests and counts per source."""
+    """State of one run: per source, the digests of the pairs written, the counts, and what each worker wrote."""
 
     def __init__(self, args: argparse.Namespace, tmp_dir: str, reports: list[InputReport]):
         self.args, self.tmp_dir, self.reports = args, tmp_dir, reports
-        self.writers: dict[str, ShardWriter] = {}
         # 16-byte digests of the pairs written, per source: 83 bytes of memory a pair (the bytes object and its
         # set slot; bench/data_prep_pairs.py), what dropping duplicates costs.
         self.seen: dict[str, set[bytes]] = {}
         self.counts: dict[str, dict[str, int]] = {}
+        # Per source with pairs: its old manifest's shards, read before any worker writes to it; the workers
+        # told them so far, as (worker, source).
+        self.previous: dict[str, dict[str, str]] = {}
+        self.told: set[tuple[int, str]] = set()
+        self.written: dict[str, list[WrittenShards]] = {}  # per source: what each worker wrote, in worker order
         self.messages: list[str] = []
         self.skipped_messages = 0
+        self.workers = 1
 
     def source_counts(self, source: str) -> dict[str, int]:
         counts = self.counts.get(source)
@@ -75,18 +84,13 @@ class PairsJob:
             counts = self.counts[source] = dict.fromkeys(COUNTS + SKIP_REASONS, 0)
         return counts
 
-    def writer(self, source: str) -> ShardWriter:
-        writer = self.writers.get(source)
-        if writer is None:
-            args = self.args
-            url = storage.join(args.out, "pairs", source)
-            writer = self.writers[source] = ShardWriter(
-                url, self.tmp_dir, int(args.shard_size_mb * 2**20), previous_shas(url),
-                int(args.shuffle_window_mb * 2**20), args.seed, args.block_records, args.compress == "gzip")
-        return writer
+    def url(self, source: str) -> str:
+        return storage.join(self.args.out, "pairs", source)
 
-    def take(self, result: PartResult) -> None:
-        """A part's results, in input order: its new pairs written, duplicates and skipped rows counted."""
+    def take(self, worker: int, result: PartResult) -> tuple[dict[str, list[int]], dict[str, dict[str, str]]]:
+        """A part's result, in input order: its rows and skipped rows counted, its pairs' digests checked
+        against every pair before it. Returns what ``PairsWorker.admit`` takes: the places of its duplicates
+        per source, and the old manifest's shards of each source that ``worker`` is to write first."""
         report = self.reports[result.input]
         for source, counter in result.counts.items():
             counts = self.source_counts(source)
@@ -96,50 +100,67 @@ class PairsJob:
                     report.rows += n
                 elif key in report.skipped:
                     report.skipped[key] += n
-        for source, (digests, records) in result.pairs.items():
-            seen, fresh = self.seen.setdefault(source, set()), []
-            for digest, record in zip(digests, records):
-                if digest not in seen:
+        duplicates, previous = {}, {}
+        for source, digests in result.digests.items():
+            seen, dropped = self.seen.setdefault(source, set()), []
+            pairs = len(digests) // DIGEST_BYTES
+            for i in range(pairs):
+                digest = bytes(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES])
+                if digest in seen:
+                    dropped.append(i)
+                else:
                     seen.add(digest)
-                    fresh.append(record)
             counts = self.source_counts(source)
-            counts["pairs"] += len(fresh)
-            counts["duplicates"] += len(records) - len(fresh)
-            self.writer(source).write_records(fresh)
+            counts["pairs"] += pairs - len(dropped)
+            counts["duplicates"] += len(dropped)
+            if dropped:
+                duplicates[source] = dropped
+            if pairs > len(dropped) and (worker, source) not in self.told:
+                if source not in self.previous:
+                    self.previous[source] = previous_shas(self.url(source))
+                previous[source] = self.previous[source]
+                self.told.add((worker, source))
         self.skipped_messages += sum(v for c in result.counts.values() for k, v in c.items() if k in SKIP_REASONS)
         self.messages += result.messages[:WARNINGS - len(self.messages)]
+        return duplicates, previous
 
     def run(self, inputs: list[PairsInput]) -> None:
-        """Every input's parts in input order through the workers (a pool, Ray tasks, or this process)."""
-        workers = self.args.workers
-        if self.args.ray:
-            pool = RayPool(workers or os.cpu_count() or 1, "pairs")
-            slots = pool.slots
-            parts = itertools.chain.from_iterable(pool.stream(read_parts, (inp,), ahead=2 * slots) for inp in inputs)
+        """Every input's parts in input order, dealt to the workers in turn (processes, Ray actors, or this
+        process); each part admitted as its result comes, in input order; then every worker's shards finished."""
+        ray = RayPool(self.args.workers or os.cpu_count() or 1, "pairs") if self.args.ray else None
+        pool = StatefulPool(functools.partial(PairsWorker, self.args, self.tmp_dir), self.args.workers or 1, ray)
+        self.workers = pool.size
+        window = 2 * pool.size
+        if ray is not None:
+            parts = itertools.chain.from_iterable(ray.stream(read_parts, (inp,), ahead=window) for inp in inputs)
         else:
-            slots = workers or 1
-            pool = multiprocessing.Pool(slots) if slots > 1 else None
             parts = itertools.chain.from_iterable(read_parts(inp) for inp in inputs)
         bar = tqdm(total=sum(inp.size for inp in inputs), unit="B", unit_scale=True, file=sys.stderr,
                    mininterval=0.5, dynamic_ncols=True)
         try:
-            for result in ordered_map(pool, process_part, parts, 2 * slots):
-                self.take(result)
+            for call, result in enumerate(ordered_map(pool, PairsWorker.parse, parts, window)):
+                worker = pool.worker(call)
+                pool.submit(worker, PairsWorker.admit, self.take(worker, result))
                 bar.update(result.nbytes)
-            for writer in self.writers.values():
-                writer.close()
+            closing = [pool.submit(worker, PairsWorker.close, ()) for worker in range(pool.size)]
+            for reply in closing:
+                for source, written in reply.get().items():
+                    self.written.setdefault(source, []).append(written)
         finally:
             bar.close()
-            if pool is not None:
-                pool.terminate()
+            pool.terminate()
 
-    def manifest_extra(self, source: str) -> dict:
-        """What a stream's manifest records besides its shards: its source's counts, and every input's."""
+    def write_manifest(self, source: str) -> str:
+        """The stream's manifest, listing every worker's shards in worker order: its source's counts, and every
+        input's."""
         counts = self.counts[source]
-        return {"tool": f"data_prep {__version__}", "source": source,
-                "shuffle": {"window_mb": self.args.shuffle_window_mb, "seed": self.args.seed},
-                "counts": {**{k: counts[k] for k in COUNTS}, "skipped": {r: counts[r] for r in SKIP_REASONS}},
-                "inputs": [dataclasses.asdict(r) for r in self.reports]}
+        shards = [shard for written in self.written[source] for shard in written.shards]
+        extra = {"tool": f"data_prep {__version__}", "source": source,
+                 "shuffle": {"window_mb": self.args.shuffle_window_mb, "seed": self.args.seed},
+                 "counts": {**{k: counts[k] for k in COUNTS}, "skipped": {r: counts[r] for r in SKIP_REASONS}},
+                 "inputs": [dataclasses.asdict(r) for r in self.reports]}
+        return write_manifest(self.url(source), shards, sum(s.samples for s in shards), FORMAT_V2, extra,
+                              self.previous[source])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,15 +175,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad", action="store_true",
                    help="count bad rows and unreadable inputs (by reason, in the manifests and the summary) instead "
                         "of stopping at the first with an error")
-    cli.add_parallelism(p, "parse rows", "parse as Ray tasks (each input read by a streaming task; a Parquet row "
-                        "group by the task that parses it)", "the inputs must be on a file system every node sees")
+    cli.add_parallelism(p, "parse rows and write shards, each its own (shard-<worker>-NNNNNN; one worker: "
+                        "shard-NNNNNN)",
+                        "the workers as Ray actors, one per CPU of the cluster (each input cut into parts by a "
+                        "streaming task)", "the inputs, and a local --out, must be on a file system every node sees",
+                        "any N writes the same pairs and counts; the same N, the same shards",
+                        "a failed actor stops the run; output identical to a run with --workers N, N the cluster's "
+                        "CPUs")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
     p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=2.0, metavar="N",
-                   help="write each stream's pairs in a seeded shuffled order, N MiB of queries at a time (counted "
-                        "as the queries' bytes + 16 a pair, so a window holds ~30,000 pairs of 50-byte queries a "
-                        "MiB, all their positives and negatives in this process's memory; 0: input order; "
-                        "default: 2)")
+                   help="each worker writes its pairs of each stream in a seeded shuffled order, N MiB of queries "
+                        "at a time (counted as the queries' bytes + 16 a pair, so a window holds ~30,000 pairs of "
+                        "50-byte queries a MiB, all their positives and negatives in the worker's memory; 0: input "
+                        "order; default: 2)")
     p.add_argument("--block-records", type=cli.positive(int, most=MAX_BLOCK_RECORDS), default=256, metavar="N",
                    help="pairs per tar sample of the shards (format 2; default: 256)")
     p.add_argument("--compress", choices=("none", "gzip"), default="none",
@@ -203,11 +229,11 @@ def main(args: argparse.Namespace) -> int:
             if job.skipped_messages > len(job.messages):
                 print(f"data_prep pairs: warning: ... {job.skipped_messages - len(job.messages)} more skipped rows "
                       "(counted by reason in the manifests)", file=sys.stderr)
-            written = sorted(source for source, writer in job.writers.items() if writer.samples)
+            written = sorted(source for source, counts in job.counts.items() if counts["pairs"])
             if not written:
                 return cli.fail("pairs", f"{', '.join(args.input)}: no pairs ({_skipped(reports)}); nothing written")
-            # Manifests last, once every stream's shards are published.
-            urls = {source: job.writers[source].write_manifest(job.manifest_extra(source)) for source in written}
+            # Manifests last, once every worker has published its shards (its close).
+            urls = {source: job.write_manifest(source) for source in written}
     except (InputError, StorageError) as err:
         return cli.fail("pairs", str(err))
     except OSError as err:  # shards are built in a local temporary folder before they are uploaded
@@ -225,11 +251,15 @@ def _skipped(reports: list[InputReport]) -> str:
 
 
 def _summary(job: PairsJob, urls: dict[str, str], nbytes: int, seconds: float) -> None:
-    print(f"input: {nbytes / 1e6:.1f} MB in {seconds:.1f}s ({nbytes / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    rate = nbytes / 1e6 / max(seconds, 1e-9)
+    print(f"input: {nbytes / 1e6:.1f} MB in {seconds:.1f}s ({rate:.1f} MB/s: {rate / job.workers:.1f} MB/s per "
+          f"worker, {job.workers} worker{'s' * (job.workers > 1)})")
     for source, url in urls.items():
-        writer = job.writers[source]
-        print(storage.redact(f"pairs/{source}: {writer.samples} pairs in {len(writer.shards)} shards "
-                             f"({writer.uploaded} uploaded, {writer.unchanged} unchanged: upload skipped) -> {url}"))
+        written = job.written[source]
+        shards = [shard for w in written for shard in w.shards]
+        print(storage.redact(f"pairs/{source}: {sum(s.samples for s in shards)} pairs in {len(shards)} shards "
+                             f"({sum(w.uploaded for w in written)} uploaded, {sum(w.unchanged for w in written)} "
+                             f"unchanged: upload skipped) -> {url}"))
     print(summary_table(job.counts))
 
 

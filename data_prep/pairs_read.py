@@ -2,17 +2,17 @@
 
 An input is checked whole before anything is written (``open_input``: its format, its header or schema, its
 default source). It is then cut into *parts* (``read_parts``, run by the main process, or by a streaming Ray
-task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL, CSV or TSV file, one row group
-of a Parquet file (its rows read by the worker itself), record batches of an Arrow IPC file (a Hugging Face
-``save_to_disk`` folder holds such files). A worker (``process_part``) reads a part's rows, each as a dict of
-column → value, and hands them to ``pairs_rows``, which finds their columns, checks their values and makes
-their records, each with the 16-byte digest that the main process drops exact duplicates by, and counts what
-it skips; the main process takes the results in input order, so the output does not depend on the number of
-workers.
+task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL, CSV or TSV file (where they
+start and end: the worker reads the bytes itself), one row group of a Parquet file (its rows read by the worker
+itself), record batches of an Arrow IPC file (a Hugging Face ``save_to_disk`` folder holds such files). A worker
+(``process_part``) reads a part's rows, each as a dict of column → value, and hands them to ``pairs_rows``,
+which finds their columns, checks their values and makes their records, each with the 16-byte digest that the
+main process drops exact duplicates by, and counts what it skips.
 
 Memory: a part is at most ``PART_BYTES`` of text (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
-group, or record batches up to ``PART_BYTES``; the main process keeps at most ``2 × workers`` parts in
-flight. Nothing is unpickled that this program did not pickle itself: Arrow IPC is read with pyarrow.
+group, or record batches up to ``PART_BYTES``; at most ``2 × workers`` parts are in flight, a worker holding
+the records of its own until the main process admits them. Nothing is unpickled that this program did not
+pickle itself: Arrow IPC is read with pyarrow.
 """
 from __future__ import annotations
 
@@ -163,14 +163,15 @@ def _csv_reader(fmt: str, lines):
 @dataclass
 class Part:
     """A piece of one input for one worker. ``first``: the line (text formats) or row (tables) it starts at,
-    from 1. Text: ``data``, whole lines (CSV: whole records); Parquet: ``row_group``; Arrow: ``batches``.
-    ``error``: the piece could not be read (``--skip-bad``: counted as ``unreadable``)."""
+    from 1. Text: the ``nbytes`` from ``offset``, whole lines (CSV: whole records), which the worker reads from
+    the file itself; Parquet: ``row_group``; Arrow: ``batches``. ``error``: the piece could not be read
+    (``--skip-bad``: counted as ``unreadable``)."""
 
     input: PairsInput
     file: str
     first: int
     nbytes: int
-    data: bytes = b""
+    offset: int = 0
     row_group: int | None = None
     batches: list = field(default_factory=list)
     error: str | None = None
@@ -204,9 +205,11 @@ def _text_parts(inp: PairsInput, file: str) -> Iterator[Part]:
             if inp.format != "jsonl":
                 f.readline(MAX_LINE_BYTES)  # the header, checked by open_input
                 line = 2
+            offset = f.tell()  # of the first byte of ``buf``
             while block := f.read(PART_BYTES):
-                if line == 1 and not buf:
-                    block = block.removeprefix(_BOM)
+                if line == 1 and not buf and block.startswith(_BOM):
+                    block = block[len(_BOM):]
+                    offset += len(_BOM)
                 buf += block
                 cut = _cut(buf, quoted)
                 if not cut:
@@ -214,14 +217,28 @@ def _text_parts(inp: PairsInput, file: str) -> Iterator[Part]:
                         what = "a record (a quoted field never closed?)" if quoted else "a line"
                         raise InputError(f"{file}:{line}: {what} longer than {MAX_LINE_BYTES >> 20} MiB")
                     continue
-                data = bytes(buf[:cut])
+                yield Part(inp, file, line, cut, offset)
+                line += buf.count(b"\n", 0, cut)
+                offset += cut
                 del buf[:cut]
-                yield Part(inp, file, line, len(data), data)
-                line += data.count(b"\n")
     except OSError as err:
         raise Unreadable(f"{file}:{line}: cannot read: {err.strerror or err}") from None
     if buf:
-        yield Part(inp, file, line, len(buf), bytes(buf))
+        yield Part(inp, file, line, len(buf), offset)
+
+
+def _part_bytes(part: Part) -> bytes:
+    """A text part's bytes, read by the worker: only where each part starts and ends crosses processes."""
+    try:
+        with open(part.file, "rb") as f:
+            f.seek(part.offset)
+            data = f.read(part.nbytes)
+    except OSError as err:
+        raise Unreadable(f"{part.file}:{part.first}: cannot read: {err.strerror or err}") from None
+    if len(data) != part.nbytes:
+        raise Unreadable(f"{part.file}:{part.first}: cannot read: the file ends before this part's {part.nbytes} "
+                         f"bytes from byte {part.offset} (it changed while it was read?)")
+    return data
 
 
 def _cut(buf: bytearray, quoted: bool) -> int:
@@ -278,21 +295,26 @@ def _arrow_parts(inp: PairsInput, file: str) -> Iterator[Part]:
 
 
 def process_part(part: Part) -> PartResult:
-    """A part's rows → records. Runs in the worker processes (or Ray tasks). A bad row raises ``InputError``
+    """A part's rows → records. Runs in the workers (processes, Ray actors). A bad row raises ``InputError``
     naming it, unless ``--skip-bad``: then it is counted by reason."""
     inp = part.input
     result = PartResult(inp.index, part.nbytes)
     if part.error is not None:
         result.skip(inp.source, "unreadable", part.error)
         return result
-    if inp.format == "jsonl":
-        rows = _json_rows(part)
-    elif inp.format == "parquet":
+    if inp.format == "parquet":
         rows = _parquet_rows(part, result)
     elif inp.format == "arrow":
         rows = _table_rows(part.batches, part.first, inp.columns)
     else:
-        rows = _csv_rows(part)
+        try:
+            data = _part_bytes(part)
+        except Unreadable as err:
+            if not inp.skip_bad:
+                raise
+            result.skip(inp.source, "unreadable", str(err))
+            return result
+        rows = _json_rows(part, data) if inp.format == "jsonl" else _csv_rows(part, data)
     cache: dict[tuple, Columns | RowError] = {}
     for number, values, columns in rows:
         try:
@@ -327,8 +349,8 @@ def _where(part: Part, number: int) -> str:
     return f"{part.file}:{number}"
 
 
-def _json_rows(part: Part) -> Iterator[tuple[int, Any, None]]:
-    for number, line in enumerate(part.data.split(b"\n"), part.first):
+def _json_rows(part: Part, data: bytes) -> Iterator[tuple[int, Any, None]]:
+    for number, line in enumerate(data.split(b"\n"), part.first):
         if not line or line.isspace():
             continue
         try:
@@ -342,17 +364,17 @@ def _json_rows(part: Part) -> Iterator[tuple[int, Any, None]]:
         yield number, values, None
 
 
-def _csv_rows(part: Part) -> Iterator[tuple[int, Any, Columns]]:
+def _csv_rows(part: Part, data: bytes) -> Iterator[tuple[int, Any, Columns]]:
     inp = part.input
     try:
-        text = part.data.decode()
+        text = data.decode()
         undecodable: list[int] = []
     except UnicodeDecodeError as err:
-        at = part.first + part.data.count(b"\n", 0, err.start)
+        at = part.first + data.count(b"\n", 0, err.start)
         if not inp.skip_bad:
             raise InputError(f"{part.file}:{at}: not UTF-8 ({err.reason})") from None
         # Each undecodable line becomes an empty one (skipped by the csv module): the others keep their numbers.
-        lines = part.data.split(b"\n")
+        lines = data.split(b"\n")
         undecodable = []
         for i, raw in enumerate(lines):
             try:

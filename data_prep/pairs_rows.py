@@ -34,6 +34,7 @@ SKIP_REASONS = ("bad_line", "missing_query", "missing_positive", "wrong_type", "
                 "ambiguous_columns", "unreadable")
 LINE_BREAK = re.compile(r"\r\n?|\n")  # a format 2 text is one line: a query's line breaks become spaces
 MESSAGES_PER_PART = 5  # skipped rows' messages a part reports (the rest are counted)
+DIGEST_BYTES = 16  # of a pair's SHA-256 (``add_row``): what the main process keeps of each distinct pair
 
 
 class InputError(Exception):
@@ -105,12 +106,14 @@ def header_columns(names: list[str], where: str) -> Columns:
 
 @dataclass
 class PartResult:
-    """A part's records, per source: their digests and records, in input order; its counts per source
-    (``rows``, ``query_line_breaks`` and skip reasons); the first skipped rows' messages."""
+    """A part's pairs per source, in input order: their digests (``DIGEST_BYTES`` each, end to end) and their
+    records (which stay in the worker: the main process gets the rest); its counts per source (``rows``,
+    ``query_line_breaks`` and skip reasons); the first skipped rows' messages."""
 
     input: int
     nbytes: int
-    pairs: dict[str, tuple[list[bytes], list[Record]]] = field(default_factory=dict)
+    digests: dict[str, bytearray] = field(default_factory=dict)
+    records: dict[str, list[Record]] = field(default_factory=dict)
     counts: dict[str, collections.Counter] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
 
@@ -223,11 +226,15 @@ def add_row(result: PartResult, values: dict, columns: Columns, source: str, lis
     digest = hashlib.sha256(struct.pack(f"<{len(fields) + 1}Q", len(fields), *map(len, fields)))
     digest.update(b"".join(fields))
     texts = [text for _, text in negatives]
-    digests, records = result.pairs.get(source) or result.pairs.setdefault(source, ([], []))
+    digests = result.digests.get(source)
+    if digests is None:
+        digests, records = result.digests[source], result.records[source] = bytearray(), []
+    else:
+        records = result.records[source]
     for positive, data in zip(positives, encoded[len(fields):]):
         pair = digest.copy()
         pair.update(data)
-        digests.append(pair.digest()[:16])
+        digests += pair.digest()[:DIGEST_BYTES]
         records.append(Record(query, {"positive": positive, "negatives": texts, "source": source,
                                       "instruction": instruction}))
     result.count(source, "rows")

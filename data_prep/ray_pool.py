@@ -1,4 +1,5 @@
-"""Ray tasks in place of a process pool: ``data_prep wiki --ray`` (and ``data_prep pairs --ray``).
+"""Ray tasks and actors in place of process pools: ``data_prep wiki --ray`` (tasks) and ``data_prep pairs --ray``
+(actors: ``stateful_pool.StatefulPool``'s workers, fed by streaming tasks).
 
 ``RayPool`` has the one method of ``multiprocessing.Pool`` that ``wiki_tasks.ordered_map`` uses, ``apply_async``,
 so the driver runs the same bounded, ordered map (at most ``2 × slots`` tasks in flight: backpressure and
@@ -12,6 +13,7 @@ pages: the dumps of several languages are then read at once, none of them by the
 A task that fails is run again, up to ``MAX_RETRIES`` times: when its worker process or node dies (Ray does
 that for every task), and when it raises a storage error that outlived ``clsys.storage``'s own retries.
 Other exceptions (a ``BadIndex``, a bug) are not retried: they reach the driver as the task raised them.
+An actor (``actors``) is not restarted: what it held is gone with it, so its next call fails the run.
 """
 from __future__ import annotations
 
@@ -94,6 +96,21 @@ class RayPool:
 
     def apply_async(self, fn, args: tuple) -> _Result:
         return _Result(self._remote.remote(fn, *args))
+
+    def actors(self, cls, arguments: list[tuple]) -> list:
+        """An actor ``cls(*args)`` for each of ``arguments``, each holding one CPU slot for the run; ``call`` runs
+        their methods. One is not restarted when its process or node dies: its state would be lost, so its
+        next call fails, and with it the run."""
+        import ray
+
+        remote = ray.remote(num_cpus=1, max_restarts=0)(cls)
+        return [remote.remote(*args) for args in arguments]
+
+    @staticmethod
+    def call(actor, method: str, args: tuple) -> _Result:
+        """``actor.method(*args)``, run after the calls made to it before (Ray runs one caller's calls to an
+        actor in order); an ``ObjectRef`` among ``args`` reaches it as its object."""
+        return _Result(getattr(actor, method).remote(*args))
 
     def stream(self, fn, args: tuple, ahead: int) -> Iterator:
         """Run the generator ``fn(*args)`` as one Ray task: references to what it yields, in order, to pass

@@ -2,11 +2,13 @@
 a ``datasets`` save_to_disk folder) → one format 2 stream per source, read back through the project's shard reader
 (``clsys.shards.reader``, which checks the ``pairs`` kind's fields); bad rows refused (exit 2, naming file,
 line or row, and column) or counted with ``--skip-bad``; exact duplicates dropped; a failed run leaves no
-manifest; workers and S3 output change nothing (Ray tasks: tests/test_data_prep_ray.py)."""
+manifest; workers write the pairs one process writes, and S3 output changes nothing (Ray actors:
+tests/test_data_prep_ray.py)."""
 from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +168,29 @@ def test_source_column_and_option_split_streams_and_duplicates_are_dropped_per_s
         ["mine", "6", "4", "4"], ["other", "1", "1", "0"], ["total", "7", "5", "4"]]
 
 
+def test_a_pair_in_parts_of_two_workers_is_written_once(tmp_path, capsys, monkeypatch):
+    """Parts of one line each (``PART_BYTES`` below a line's length), dealt to two workers in turn: a pair whose
+    copies lie in parts of different workers, in one input (parts 0 and 1) and across two (parts 2 and 5), is
+    written once and counted as a duplicate, as one process does."""
+    monkeypatch.setattr(pairs_read, "PART_BYTES", 16)
+
+    def line(i: int) -> str:
+        return json.dumps({"query": f"q{i}", "positive": f"p{i}"}) + "\n"
+
+    (tmp_path / "a.jsonl").write_text(line(0) + line(0) + line(1) + line(2))
+    (tmp_path / "b.jsonl").write_text(line(3) + line(1))
+    meta = {"negatives": [], "source": "s", "instruction": ""}
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        code, _, err = run(capsys, "--input", tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--source", "s",
+                           "--out", out, "--workers", workers, "--shuffle-window-mb", 0)
+        assert code == 0, err
+        assert sorted(read_stream(str(out / "pairs" / "s")), key=lambda r: r[0]) == [
+            (f"q{i}", {"positive": f"p{i}", **meta}) for i in range(4)]
+        counts = read_manifest(str(out / "pairs" / "s"))["counts"]
+        assert (counts["rows"], counts["pairs"], counts["duplicates"]) == (6, 4, 2)
+
+
 # (file name, content, the error after "FILE", the skip reason). Each file also holds a good row first.
 GOOD = '{"query": "good", "positive": "p"}\n'
 
@@ -311,14 +336,16 @@ def test_a_damaged_parquet_row_group_is_an_error_naming_it_or_counted(tmp_path, 
     assert (counts["pairs"], counts["skipped"]["unreadable"]) == (100, 1)
 
 
-def test_a_failed_run_leaves_no_manifest(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_run_leaves_no_manifest(workers, tmp_path, capsys, monkeypatch):
     """Shards of the parts before the bad row are published (small parts, small shards), but no manifest:
-    a stream folder without one is incomplete."""
+    a stream folder without one is incomplete. Two workers: the error raised in a worker process reaches the
+    main process as it was raised."""
     monkeypatch.setattr(pairs_read, "PART_BYTES", 4096)
     good = "".join(json.dumps({"query": f"query {i}", "positive": f"positive {i} " * 5}) + "\n" for i in range(2000))
     (tmp_path / "a.jsonl").write_text(good + '{"query": "q", "positive": ["p", {"x": 1}]}\n')
     code, _, err = run(capsys, "--input", tmp_path / "a.jsonl", "--out", tmp_path / "out", "--shard-size-mb", 0.02,
-                       "--shuffle-window-mb", 0, "--block-records", 16)
+                       "--shuffle-window-mb", 0, "--block-records", 16, "--workers", workers)
     assert code == 2
     assert f"error: {tmp_path / 'a.jsonl'}:2001: column 'positive': item 1 is an object, not a string" in err
     assert len(list((tmp_path / "out" / "pairs" / "a").glob("shard-*.tar"))) > 3
@@ -350,23 +377,35 @@ def stream_files(out: Path) -> dict[str, bytes]:
 SHUFFLED = ("--shuffle-window-mb", 0.001, "--block-records", 7, "--shard-size-mb", 0.01)
 
 
-def test_workers_give_the_one_process_output_byte_for_byte(tmp_path, capsys, monkeypatch):
-    """Many parts (a few KiB each) through 3 pool processes: the same shards and manifests as one process;
-    the shuffled stream holds the pairs of the input, not in input order."""
+def test_workers_write_the_pairs_of_one_process_and_rerun_byte_for_byte(tmp_path, capsys, monkeypatch):
+    """Many parts (a few KiB each) dealt to 3 worker processes, each writing shards of its own (shard-<worker>-…;
+    one process: shard-NNNNNN): every stream holds the pairs of the one-process run and its manifest the same
+    counts and inputs; a second run with 3 workers gives the same files byte for byte; the shuffled stream holds
+    the pairs of the input, not in input order."""
     monkeypatch.setattr(pairs_read, "PART_BYTES", 2048)
     in_order = big_input(tmp_path / "big.jsonl")
     outs = {}
-    for workers in (1, 3):
-        outs[workers] = tmp_path / f"out{workers}"
-        code, _, err = run(capsys, "--input", tmp_path / "big.jsonl", "--out", outs[workers], "--workers", workers,
+    for name, workers in (("1", 1), ("3", 3), ("3 again", 3)):
+        outs[name] = tmp_path / f"out {name}"
+        code, _, err = run(capsys, "--input", tmp_path / "big.jsonl", "--out", outs[name], "--workers", workers,
                            *SHUFFLED)
         assert code == 0, err
-    assert stream_files(outs[1]) == stream_files(outs[3])
-    assert sorted(p.name for p in (outs[1] / "pairs").iterdir()) == ["big", "s0", "s1"]
-    records = read_stream(str(outs[1] / "pairs" / "big"))
-    key = json.dumps
+    assert stream_files(outs["3"]) == stream_files(outs["3 again"])
+    assert sorted(p.name for p in (outs["1"] / "pairs").iterdir()) == ["big", "s0", "s1"]
+    def key(record: tuple[str, dict]) -> str:  # a block's record lists its fields in the order the block has them
+        return json.dumps(record, sort_keys=True)
+
+    for source in ("big", "s0", "s1"):
+        streams = {name: str(outs[name] / "pairs" / source) for name in ("1", "3")}
+        assert sorted(read_stream(streams["1"]), key=key) == sorted(read_stream(streams["3"]), key=key)
+        one, three = (read_manifest(stream) for stream in streams.values())
+        assert (one["counts"], one["inputs"], one["samples"]) == (three["counts"], three["inputs"], three["samples"])
+    names = {name: sorted(p.name for p in (outs[name] / "pairs" / "big").glob("shard-*")) for name in ("1", "3")}
+    assert all(re.fullmatch(r"shard-\d{6}\.tar", n) for n in names["1"])
+    assert {n[:10] for n in names["3"]} == {"shard-000-", "shard-001-", "shard-002-"}
+    records = read_stream(str(outs["1"] / "pairs" / "big"))
     assert sorted(records, key=key) == sorted(in_order, key=key) and records != in_order
-    counts = read_manifest(str(outs[1] / "pairs" / "big"))["counts"]
+    counts = read_manifest(str(outs["1"] / "pairs" / "big"))["counts"]
     assert (counts["pairs"], counts["duplicates"]) == (len(in_order), len(in_order) // 3)
     # rows (duplicates included) of its own source whose query had a line break: n % 7 == 0, n % 3 != 0
     assert counts["query_line_breaks"] == sum(i % 450 % 7 == 0 and i % 450 % 3 != 0 for i in range(600))

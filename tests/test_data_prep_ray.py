@@ -1,7 +1,7 @@
 """data_prep wiki --ray (and, last, data_prep pairs --ray): a real local Ray cluster (2 CPUs, all on 127.0.0.1)
 that each run joins through RAY_ADDRESS, as under `ray job submit`; multistream dumps and their indexes in a real
 moto S3 server (127.0.0.1), read by the tasks with ranged reads; shards written to it. The output must be the
-one-process run's, byte for byte."""
+one-process run's (pairs: the run's with as many worker processes as the cluster has CPUs), byte for byte."""
 from __future__ import annotations
 
 import bz2
@@ -183,20 +183,21 @@ def test_dumps_without_index_are_read_at_once(bucket, ray_env, tmp_path):
     assert max(task.creation_time_ms for task in readers) < min(task.end_time_ms for task in readers)
 
 
-def test_pairs_ray_equals_serial(ray_env, tmp_path):
+def test_pairs_ray_equals_two_worker_processes(ray_env, tmp_path):
     """data_prep pairs --ray: a streaming task per input cuts it into parts (a JSONL file of ~3 MB into 1 MiB
-    parts, a Parquet file into its row groups, read by the tasks that parse them); the shards and manifests are
-    the one-process run's, byte for byte."""
+    parts, a Parquet file into its row groups, read by the actors that parse them), dealt to an actor per CPU
+    of the cluster, each writing its own shards; the shards and manifests are those of a run with as many worker
+    processes (2), byte for byte."""
     big_input(tmp_path / "big.jsonl", rows=30_000)
     write_parquet(tmp_path / "table.parquet", FORMATS["parquet"][2])
     outs = {}
-    for ray in ((), ("--ray",)):
-        outs[ray] = tmp_path / f"out{len(ray)}"
+    for how in (("--workers", "2"), ("--ray",)):
+        outs[how] = tmp_path / f"out{len(how)}"
         result = subprocess.run([sys.executable, "-m", "data_prep", "pairs", "--input", tmp_path / "big.jsonl",
-                                 tmp_path / "table.parquet", "--out", outs[ray], "--shuffle-window-mb", "0.05",
-                                 "--block-records", "64", "--shard-size-mb", "0.5", *ray],
-                                cwd=Path(__file__).parents[1], env={**os.environ, **(ray_env if ray else {})},
+                                 tmp_path / "table.parquet", "--out", outs[how], "--shuffle-window-mb", "0.05",
+                                 "--block-records", "64", "--shard-size-mb", "0.5", *how],
+                                cwd=Path(__file__).parents[1], env={**os.environ, **(ray_env if "--ray" in how else {})},
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
     assert f"data_prep pairs: 2 tasks at a time on the Ray cluster at {ray_env['RAY_ADDRESS']}" in result.stderr
-    assert stream_files(outs[()]) == stream_files(outs[("--ray",)])
+    assert stream_files(outs[("--workers", "2")]) == stream_files(outs[("--ray",)])

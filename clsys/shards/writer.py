@@ -128,6 +128,9 @@ class ShardWriter:
 
     ``write_encoded`` takes samples ``encode_sample`` already made (elsewhere, e.g. in a worker process):
     the same bytes, windows and order as ``write`` with each sample's fields.
+
+    ``shard_prefix``: what the shards' names start with, before their number: writers that fill one stream
+    together (``data_prep pairs``' worker processes) each need names of their own.
     """
 
     url: str
@@ -138,6 +141,7 @@ class ShardWriter:
     seed: int = 0
     block_records: int = 0
     compress: bool = False
+    shard_prefix: str = "shard-"
     shards: list[ShardInfo] = field(default_factory=list, init=False)
     uploaded: int = field(default=0, init=False)
     unchanged: int = field(default=0, init=False)
@@ -279,7 +283,7 @@ class ShardWriter:
         self._wait_published()
 
     def _shard_url(self) -> str:
-        return storage.join(self.url, f"shard-{len(self.shards):06d}.tar{'.gz' * self.compress}")
+        return storage.join(self.url, f"{self.shard_prefix}{len(self.shards):06d}.tar{'.gz' * self.compress}")
 
     def _write(self, data: bytes, last: bool = False) -> None:
         if self._gzip is not None:
@@ -369,12 +373,21 @@ class ShardWriter:
     def write_manifest(self, extra: dict) -> str:
         """Write ``manifest.json`` (after every shard is published: ``close`` first) and return its URL."""
         self._wait_published()
-        shards = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.shards]
-        manifest = {"format": FORMAT_V2 if self.block_records else FORMAT, "stream": os.path.basename(self.url.rstrip("/")),
-                    "shards": shards, "samples": self.samples, **extra}
-        url = storage.join(self.url, MANIFEST)
-        storage.write_json(url, manifest)
-        # Shards of an earlier, bigger run that the new manifest no longer lists.
-        for name in sorted(set(self.previous) - {s.name for s in self.shards}):
-            storage.delete(storage.join(self.url, name))
-        return url
+        return write_manifest(self.url, self.shards, self.samples, FORMAT_V2 if self.block_records else FORMAT, extra,
+                              self.previous)
+
+
+def write_manifest(url: str, shards: list[ShardInfo], samples: int, fmt: str, extra: dict,
+                   previous: dict[str, str]) -> str:
+    """Write the ``manifest.json`` of the stream ``url`` listing ``shards`` (every one published) and ``samples``,
+    then delete the shards of its old manifest (``previous``) that it no longer lists; returns its URL. What
+    ``ShardWriter.write_manifest`` writes, and ``data_prep pairs`` for the shards its workers' writers wrote."""
+    listed = [{k: v for k, v in asdict(s).items() if v is not None} for s in shards]
+    manifest = {"format": fmt, "stream": os.path.basename(url.rstrip("/")), "shards": listed, "samples": samples,
+                **extra}
+    manifest_url = storage.join(url, MANIFEST)
+    storage.write_json(manifest_url, manifest)
+    # Shards of an earlier, bigger run that the new manifest no longer lists.
+    for name in sorted(set(previous) - {s.name for s in shards}):
+        storage.delete(storage.join(url, name))
+    return manifest_url
