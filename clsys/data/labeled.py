@@ -1,4 +1,4 @@
-"""Labelled classification data for few-shot fine-tuning (docs/training/objectives.md#css-lm).
+"""Labelled classification data for few-shot fine-tuning.
 
 Three file formats, told apart by extension and then by content:
 
