@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from clsys import logs
 from clsys.eval.beir import BeirSet, bundled_beir, evaluate_beir, load_beir, resolve_beir
 from clsys.eval.sts import evaluate_sts
 from clsys.model.declared import default_max_length, folder_pooling, folder_prompts
@@ -36,6 +37,8 @@ from clsys.model.loading import resolve_model_path
 from clsys.eval.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, evaluate_retrieval, hf_reranker,
                              load_tatoeba, parse_articles, xquad_pair)
 from clsys.eval.sts_data import StsSet, bundled_sts, read_sts
+
+log = logging.getLogger(__name__)
 
 
 def _xling_pair(spec: str) -> tuple[str, str]:
@@ -54,17 +57,17 @@ def _load_xling(spec: str, args: argparse.Namespace) -> XquadSet:
 def _read_sts(spec: str, args: argparse.Namespace) -> list[StsSet]:
     suite = read_sts(spec)
     for path in suite.left_out:
-        print(f"{spec}: passed over {path}", file=sys.stderr)
+        log.info(f"{spec}: passed over {path}")
     for sts in suite.sets:
         if sts.note:
-            print(f"{spec}: {sts.name}: {sts.note}", file=sys.stderr)
+            log.info(f"{spec}: {sts.name}: {sts.note}")
     return suite.sets
 
 
 def _read_beir(spec: str, args: argparse.Namespace) -> list[BeirSet]:
     data = load_beir(resolve_beir(spec), args.retrieval_split or "test")
     if data.note:
-        print(f"{spec}: {data.note}", file=sys.stderr)
+        log.info(f"{spec}: {data.note}")
     return [data]
 
 
@@ -161,17 +164,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per sentence; default: the model's sentence_bert_config.json, else 512")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    logs.add_level_option(p)
     return p, p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
+    logs.configure(args.log_level, progress_stream="stderr")  # stdout is the results, which users pipe
     if args.pooling is None:
         args.pooling = folder_pooling(resolve_model_path(args.model))
         if args.pooling is None:
             parser.error(f"--pooling: '{args.model}' declares no pooling to take (1_Pooling/config.json with "
                          f"one of {', '.join(POOLINGS)}, only Normalize after it): give --pooling")
-        print(f"pooling {args.pooling} (the model's 1_Pooling/config.json)")
+        print(f"pooling {args.pooling} (the model's 1_Pooling/config.json)")  # the results' heading: which pooling
     poolings = _split(args.pooling)
     bad = [x for x in poolings if x not in POOLINGS]
     if bad or not poolings:

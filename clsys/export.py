@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from clsys import storage
+from clsys import logs, storage
 from clsys.storage import integrity
 from clsys.storage.integrity import SUMS
 from clsys.engine.checkpoint import (REQUIRED_FILES, checked_state, latest_checkpoint, listed_apart,
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: best)")
     parser.add_argument("--run", default=None, help="the run folder, for --checkpoint best or latest")
     parser.add_argument("--out", required=True, help="output folder (local path, file:// or s3://)")
+    logs.add_level_option(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
     except (OSError, RuntimeError, storage.StorageError, integrity.IntegrityError, CheckpointError, KeyError) as err:

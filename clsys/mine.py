@@ -26,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import hashlib
+import logging
 import math
 import os
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from clsys import __version__, storage
+from clsys import __version__, logs, storage
 from clsys.engine.launch import init_ray_for_tasks
 from clsys.model.declared import default_max_length, folder_pooling, folder_prompts
 from clsys.model.encoder import POOLINGS
@@ -53,6 +54,8 @@ from clsys.shards.manifest import previous_shas, read_manifest
 from clsys.shards.reader import COMPRESSED, Shard, ShardError, load_shards, read_shard
 from clsys.shards.writer import ShardWriter
 from clsys.storage import StorageError
+
+log = logging.getLogger(__name__)
 
 PROG = "clsys.mine"
 # Non-secret settings the workers need; credentials come from each worker's own environment or role, never
@@ -122,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                    help="roll output shards over at this size in MiB (default: 64)")
     p.add_argument("--block-records", type=positive(int), default=256, metavar="N",
                    help="pairs per tar sample of the output shards (format 2; default: 256)")
+    logs.add_level_option(p)
     return p, p.parse_args(argv)
 
 
@@ -431,16 +435,15 @@ def run(args: argparse.Namespace) -> int:
         resumed = work.start(args.out, settings)
         pending = [(stream, shard) for stream, shards in data.items() for shard in shards
                    if work.load_part(part_of(args, stream, shard), shard.samples) is None]
-        print(f"{PROG}: {n} workers on {where}; {len(pending)} of {sum(map(len, data.values()))} shards to mine"
-              f"{' (continuing the run under --out)' if resumed else ''}", file=sys.stderr, flush=True)
+        log.info(f"{PROG}: {n} workers on {where}; {len(pending)} of {sum(map(len, data.values()))} shards to mine"
+                 f"{' (continuing the run under --out)' if resumed else ''}")
         reports, seconds = [], (0.0, 0.0)
         if pending:
             actor = ray.remote(num_cpus=args.cpus_per_worker, num_gpus=args.gpus_per_worker or 0)(MiningWorker)
             workers = [actor.remote(encoding, r, n, work.slice_stem(args.out, r, n)) for r in range(n)]
             loaded, corpus_seconds = build_slices(workers, items)
-            print(f"{PROG}: corpus: {work.saved_rows(args.out, n)} texts on {n} workers, "
-                  f"{'taken up from the run under --out' if loaded else 'embedded'} in {corpus_seconds:.1f} s",
-                  file=sys.stderr, flush=True)
+            log.info(f"{PROG}: corpus: {work.saved_rows(args.out, n)} texts on {n} workers, "
+                     f"{'taken up from the run under --out' if loaded else 'embedded'} in {corpus_seconds:.1f} s")
             seconds = Miner(args, workers, positives_of).run(pending, sum(s.samples for _, s in pending))
             reports = ray.get([w.report.remote() for w in workers])
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
@@ -481,6 +484,7 @@ def settings_of(args: argparse.Namespace, encoding: Encoding, read: dict[str, li
 
 def main(argv: list[str] | None = None) -> int:
     _, args = parse_args(argv)
+    logs.configure(args.log_level, progress_stream="stderr")  # stdout is the summary of what was mined
     try:
         return run(args)
     except (Refused, StorageError, ShardError, ValueError) as err:

@@ -16,32 +16,39 @@ step and stop; the driver then exits with code 75 and ``--resume latest`` contin
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
 import tempfile
 
-# A local Ray cluster started by this driver must not pick the machine's external address for its
-# services and gloo (see docs/running/ray.md). Joining a cluster, the cluster's own settings apply.
-if not os.environ.get("RAY_ADDRESS"):
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Ray's driver holds back a worker's line that looks like another worker's line (numbers masked) for up
-# to 5 s, to merge them into one "[repeated Nx]" line: "[clsys] rank 1/2: pid ..." came seconds after
-# rank 0's steps. The run's own lines are each rank's news, printed as they come.
-os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
+from clsys import logs, storage
+from clsys.storage import integrity
+from clsys.config import Config, ConfigError, run_url
+from clsys.config_paths import resolve_local_paths
+from clsys.engine import checkpoint
+from clsys.engine.launch import init_ray, save_config, train
+from clsys.storage.lease import Lease
+from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers
+from clsys.recipes import HOMES, load_config
 
-from clsys import storage  # noqa: E402
-from clsys.storage import integrity  # noqa: E402
-from clsys.config import Config, ConfigError, run_url  # noqa: E402
-from clsys.config_paths import resolve_local_paths  # noqa: E402
-from clsys.engine import checkpoint  # noqa: E402
-from clsys.engine.launch import init_ray, save_config, train  # noqa: E402
-from clsys.storage.lease import Lease  # noqa: E402
-from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers  # noqa: E402
-from clsys.recipes import HOMES, load_config  # noqa: E402
+log = logging.getLogger(__name__)
 
 SEEDED = [name for name, home in HOMES.items() if home.runs_seeds]  # recipes that take --repeats N > 1
+
+
+def set_driver_environment() -> None:
+    """The environment this driver and the Ray cluster it starts or joins need, unless the user set it: set in
+    main, before Ray starts, so that importing this module changes nothing."""
+    # A local Ray cluster started by this driver must not pick the machine's external address for its
+    # services and gloo (see docs/running/ray.md). Joining a cluster, the cluster's own settings apply.
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ray's driver holds back a worker's line that looks like another worker's line (numbers masked) for up
+    # to 5 s, to merge them into one "[repeated Nx]" line: "[clsys] rank 1/2: pid ..." came seconds after
+    # rank 0's steps. The run's own lines are each rank's news, printed as they come.
+    os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[clsys\]")
 
 
 def resolve_resume(cfg: Config, run: str) -> str | None:
@@ -97,7 +104,7 @@ def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
 
     sts = load_sts(resolve_sts(cfg.eval.sts_test))
     if sts.note:
-        print(f"[clsys] eval.sts_test {cfg.eval.sts_test}: {sts.note}", flush=True)
+        log.info(f"[clsys] eval.sts_test {cfg.eval.sts_test}: {sts.note}")
     rows = []
     # A model trained from scratch has no "before" worth scoring.
     models = [("before", cfg.model.name)] if cfg.model.init == "pretrained" else []
@@ -107,6 +114,7 @@ def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
             scores = evaluate_sts(model, tokenizer, sts, pooling=pooling.strip(), batch_size=cfg.eval.batch_size)
             rows.append({"model": label, "pooling": pooling.strip(), **scores})
     title = f"STS test: {sts.name} ({len(sts.scores)} pairs), cosine, ×100"
+    # A result table, like clsys.evaluate's: printed at every --log-level.
     print(f"\n{title}")
     print(f"{'model':<8} {'pooling':<8} {'Spearman':>9} {'Pearson':>9}")
     for r in rows:
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"{' or '.join(SEEDED)}: run this many seeds (train.seed, +1, ...) and report mean ± std")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (a recipe, YAML) and exit without training")
+    logs.add_level_option(parser)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 data.url=s3://bucket/shards "
                         "(or --train.steps=50)")
     try:
@@ -161,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
+    logs.configure(args.log_level)
+    set_driver_environment()
     # Under `ray job submit --working-dir` with several raylets on one machine, each node's runtime-env
     # agent unpacks the working dir into the same shared folder, replacing the one this process is in
     # (from ray.init on): note it while it exists, and come back to it (re-created) after training.
@@ -205,9 +216,10 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
 
-    print(storage.redact(f"[clsys] run {run}: {cfg.objective.name} on {stream}, {cfg.cluster.num_workers} worker(s), "
-                         f"ZeRO stage {cfg.train.zero_stage}, {cfg.train.steps} steps"
-                         + (f", resuming {resume}" if resume else "")))
+    log.info(storage.redact(f"[clsys] run {run}: {cfg.objective.name} on {stream}, "
+                            f"{cfg.cluster.num_workers} worker(s), ZeRO stage {cfg.train.zero_stage}, "
+                            f"{cfg.train.steps} steps"
+                            + (f", resuming {resume}" if resume else "")))
     install_stop_handlers(run)
     init_ray(cfg)
     install_stop_handlers(run)  # again: ray.init installs a SIGTERM handler of its own
@@ -219,8 +231,8 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     os.chdir(started_in if os.path.isdir(started_in) else tempfile.gettempdir())
     latest = checkpoint.complete_checkpoints(run)[-1][0]
     if latest < cfg.train.steps:  # the workers stopped on request
-        print(storage.redact(f"[clsys] stopped at step {latest} on request; checkpoint "
-                             f"{checkpoint.step_url(run, latest)}; resume with --resume latest"), flush=True)
+        log.info(storage.redact(f"[clsys] stopped at step {latest} on request; checkpoint "
+                                f"{checkpoint.step_url(run, latest)}; resume with --resume latest"))
         return EXIT_PREEMPTED
 
     from clsys.export import export
@@ -232,7 +244,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
     except (integrity.IntegrityError, storage.StorageError, CheckpointError, OSError) as err:
         print(f"error: training finished, but the export failed: {storage.redact(str(err))}", file=sys.stderr)
         return 1
-    print(storage.redact(f"[clsys] exported {used} ({chosen})"), flush=True)
+    log.info(storage.redact(f"[clsys] exported {used} ({chosen})"))
     if cfg.eval.sts_test:
         with tempfile.TemporaryDirectory() as local:
             if not storage.is_local(exported):
@@ -242,6 +254,7 @@ def run_and_export(cfg: Config, run: str, started_in: str) -> int:
 
         add_evaluation(exported, title, rows)  # the figures travel with the model, in its card
 
+    # The run's outcome and where its outputs are: the command's result, printed at every --log-level.
     print("\n[clsys] done")
     print(storage.redact(f"  shards:      {stream}"))
     print(storage.redact(f"  checkpoints: {storage.join(run, 'checkpoints')}"))

@@ -15,6 +15,7 @@ folder is served in place.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -22,8 +23,10 @@ import tempfile
 import threading
 import time
 
-from clsys import storage
+from clsys import logs, storage
 from clsys.metrics.event_sync import LOG_FOLDER
+
+log = logging.getLogger(__name__)
 
 def _log_objects(url: str) -> dict[str, tuple[str, int]]:
     """Event objects to serve: local relative path -> (object URL, size).
@@ -84,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=6006)
     parser.add_argument("--refresh", type=float, default=30.0, help="seconds between pulls from object storage")
     parser.add_argument("--cache", default=None, help="local folder for pulled event files (default: a temp folder)")
+    logs.add_level_option(parser)
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
 
     run = args.run if "://" in args.run else os.path.abspath(args.run)
     try:
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             logdir = os.path.join(local_run, LOG_FOLDER)
             logdir = logdir if os.path.isdir(logdir) else local_run
             url = serve(logdir, args.host, args.port)
-            print(f"[clsys] TensorBoard for {run} at {url}", flush=True)
+            log.info(f"[clsys] TensorBoard for {run} at {url}")
             threading.Event().wait()
         cache = args.cache or tempfile.mkdtemp(prefix="clsys-tensorboard-")
         pulled: dict[str, int] = {}
@@ -103,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
                                  f"*/{LOG_FOLDER}/)"), file=sys.stderr)
             return 2
         url = serve(cache, args.host, args.port)
-        print(storage.redact(f"[clsys] TensorBoard for {run} at {url} ({count} files pulled into {cache}, "
-                             f"refreshed every {args.refresh:g} s)"), flush=True)
+        log.info(storage.redact(f"[clsys] TensorBoard for {run} at {url} ({count} files pulled into {cache}, "
+                                f"refreshed every {args.refresh:g} s)"))
         while True:
             time.sleep(args.refresh)
             try:
                 pull(run, cache, pulled)
             except storage.StorageError as err:
-                print(storage.redact(f"[clsys] pull from {run} failed, retrying: {err}"), file=sys.stderr, flush=True)
+                log.warning(storage.redact(f"[clsys] pull from {run} failed, retrying: {err}"))
     except storage.StorageError as err:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clsys import logs
 from data_prep import __version__, align, manifest, pairs, pretokenize, tokenizer, triplets, wiki
 
 COMMANDS = {
@@ -29,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
+        logs.add_level_option(p)
         p.set_defaults(run=module.main)
     args = parser.parse_args(argv)
+    logs.configure(args.log_level, progress_stream="stderr")  # stdout is each command's summary of what it wrote
     return args.run(args)
 
 

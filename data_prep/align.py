@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import multiprocessing
 import os
 import random
 import re
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -51,6 +51,8 @@ from clsys.shards.writer import ShardWriter
 from data_prep.bz2_streams import DumpError, TruncatedDump
 from data_prep.dumps import DumpReader
 from data_prep.wiki_tasks import PageTask, ordered_map, process_page
+
+log = logging.getLogger(__name__)
 
 DROP_REASONS = ("no_langlink", "source_missing", "target_missing", "redirect", "conflicting_link", "empty_article",
                 "section_too_short", "below_threshold", "unmatched_section", "malformed_langlinks_line")
@@ -134,7 +136,7 @@ class AlignJob:
             self.links[lang] = [r for r in rows if r.lang in self.dumps and r.lang != lang]
             self.other_languages[lang] = len(rows) - len(self.links[lang])
             for message in f.messages:
-                print(f"data_prep align: warning: skipped malformed line {message}", file=sys.stderr)
+                log.warning(f"data_prep align: warning: skipped malformed line {message}")
         for dump in self.dumps.values():
             self._index_pass(dump)
         pool = multiprocessing.Pool(self.args.workers) if self.args.workers > 1 else None

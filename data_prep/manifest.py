@@ -133,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
     bad = [s for s in scans if s.error]
     for scan in bad:
         what = "skipped" if args.skip_bad else "bad shard"
+        # The command's verdict on each shard, part of its report on stdout (the error after it points "above").
         print(storage.redact(f"data_prep manifest: {what} {scan.url}: {scan.error}"))
     if bad and not args.skip_bad:
         return cli.fail("manifest", f"{len(bad)} of {len(scans)} shards cannot be trained on (above); "

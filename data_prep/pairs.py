@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import sys
 import tempfile
@@ -43,6 +44,8 @@ from data_prep.pairs_worker import PairsWorker, WrittenShards
 from data_prep.ray_pool import RayPool
 from data_prep.stateful_pool import StatefulPool
 from data_prep.wiki_tasks import ordered_map
+
+log = logging.getLogger(__name__)
 
 COUNTS = ("rows", "pairs", "duplicates", "query_line_breaks")  # a source's counts, before its skip reasons
 WARNINGS = 5  # skipped rows whose message is printed
@@ -217,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
                 report = InputReport(path, "unreadable", default_source(path, args.source), 0)
                 report.skipped["unreadable"] = 1
                 reports.append(report)
-                print(f"data_prep pairs: warning: {err} (skipped)", file=sys.stderr)
+                log.warning(f"data_prep pairs: warning: {err} (skipped)")
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
             job = PairsJob(args, tmp, reports)
             for report in reports:
@@ -225,10 +228,10 @@ def main(args: argparse.Namespace) -> int:
                     job.source_counts(report.source)["unreadable"] += 1
             job.run([inp for inp in inputs if inp is not None])
             for message in job.messages:
-                print(f"data_prep pairs: warning: {message} (skipped)", file=sys.stderr)
+                log.warning(f"data_prep pairs: warning: {message} (skipped)")
             if job.skipped_messages > len(job.messages):
-                print(f"data_prep pairs: warning: ... {job.skipped_messages - len(job.messages)} more skipped rows "
-                      "(counted by reason in the manifests)", file=sys.stderr)
+                more = job.skipped_messages - len(job.messages)
+                log.warning(f"data_prep pairs: warning: ... {more} more skipped rows (counted by reason in the manifests)")
             written = sorted(source for source, counts in job.counts.items() if counts["pairs"])
             if not written:
                 return cli.fail("pairs", f"{', '.join(args.input)}: no pairs ({_skipped(reports)}); nothing written")

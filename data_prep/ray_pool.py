@@ -17,12 +17,14 @@ An actor (``actors``) is not restarted: what it held is gone with it, so its nex
 """
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from typing import Iterator
 
 from clsys.engine.launch import init_ray_for_tasks
 from clsys.storage import StorageError
+
+log = logging.getLogger(__name__)
 
 MAX_RETRIES = 3
 # Fault injection for the tests, off unless set: "raise:PATH" or "exit:PATH". The first task to create the
@@ -92,7 +94,7 @@ class RayPool:
         # yields, and those must be able to run however many streams are open.
         self._stream = ray.remote(num_cpus=0, **retries)(_stream_task)
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']}" if joining else "a local Ray cluster"
-        print(f"data_prep {command}: {self.slots} tasks at a time on {where}", file=sys.stderr, flush=True)
+        log.info(f"data_prep {command}: {self.slots} tasks at a time on {where}")
 
     def apply_async(self, fn, args: tuple) -> _Result:
         return _Result(self._remote.remote(fn, *args))

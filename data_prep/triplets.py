@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,6 +28,8 @@ from data_prep import __version__
 from data_prep import cli
 from clsys.shards.manifest import previous_shas
 from clsys.shards.writer import ShardWriter
+
+log = logging.getLogger(__name__)
 
 COLUMNS = {"premise": ("premise", "sentence1"), "hypothesis": ("hypothesis", "sentence2"),
            "label": ("label", "gold_label")}
@@ -183,9 +185,9 @@ def main(args: argparse.Namespace) -> int:
             sources.append({"file": os.path.basename(nli.path), "format": nli.format, "rows": rows,
                             "malformed": len(malformed) - before})
         for message in malformed[:5]:
-            print(f"data_prep triplets: warning: {message}", file=sys.stderr)
+            log.warning(f"data_prep triplets: warning: {message}")
         if len(malformed) > 5:
-            print(f"data_prep triplets: warning: ... {len(malformed) - 5} more malformed lines", file=sys.stderr)
+            log.warning(f"data_prep triplets: warning: ... {len(malformed) - 5} more malformed lines")
         skipped = {**triplets.skipped(), "malformed": len(malformed)}
         with tempfile.TemporaryDirectory(prefix="data_prep-") as tmp:
             writer = ShardWriter(url, tmp, int(args.shard_size_mb * 2**20), previous_shas(url))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import multiprocessing
 import os
 import re
@@ -52,6 +53,8 @@ from clsys.shards.manifest import previous_shas
 from clsys.shards.blocks import MAX_BLOCK_RECORDS
 from clsys.shards.writer import ShardWriter
 from data_prep.wiki_tasks import BlockTask, EncodedPage, ordered_map, process_batch, process_block, read_batches
+
+log = logging.getLogger(__name__)
 
 STREAMS = ("sentences", "documents")
 # The first five count pages (page_too_long: longer than MediaWiki keeps an article), the last three sentences.
@@ -407,13 +410,12 @@ def main(args: argparse.Namespace) -> int:
             level = "warning" if args.allow_truncated else "error"
             for s, path in zip(job.sources, inputs):
                 if s.status == "truncated":
-                    print(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte "
-                                         f"{s.byte_offset}); kept the {s.pages_read} complete pages before it"),
-                          file=sys.stderr)
+                    log.warning(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} (reading stopped at byte "
+                                               f"{s.byte_offset}); kept the {s.pages_read} complete pages before it"))
                 elif s.status == "corrupt":
-                    print(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} in the bz2 block at byte "
-                                         f"{s.byte_offset} (the first unreadable one); lost {s.pages_lost} pages, kept "
-                                         f"the {s.pages_read} pages of the other blocks"), file=sys.stderr)
+                    log.warning(storage.redact(f"data_prep wiki: {level}: {path}: {s.error} in the bz2 block at byte "
+                                               f"{s.byte_offset} (the first unreadable one); lost {s.pages_lost} pages, "
+                                               f"kept the {s.pages_read} pages of the other blocks"))
             # A folder without text gets no manifest (so it cannot be trained on by mistake); the other
             # languages of the run are written all the same.
             empty = [folder for folder, writers in job.writers.items() if writers["sentences"].samples == 0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -17,6 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from clsys import logs  # noqa: E402
 from clsys.engine.launch import free_loopback_port as free_port  # noqa: E402  (the name the tests import)
 
 
@@ -101,6 +103,20 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> 
         except OSError:
             time.sleep(0.1)
     raise RuntimeError("moto_server did not start")
+
+
+@pytest.fixture(autouse=True)
+def logging_as_a_library():
+    """Each test starts with the ``clsys`` and ``data_prep`` loggers as a library leaves them (no handler, records
+    reaching the root, where pytest's caplog reads them): a command's main() run in-process configures them
+    (``clsys.logs.configure``) for the rest of the process."""
+    yield
+    for name in logs.ROOTS:
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if isinstance(h, logs.ConsoleHandler)]:
+            logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import zipfile
 from pathlib import Path
@@ -200,7 +201,7 @@ def test_runtime_env_merges_with_the_clsys_driver(monkeypatch, job_sets_forwarde
     assert _merge_runtime_env(RuntimeEnv(**job_env), RuntimeEnv(env_vars={"PYTHONUNBUFFERED": "1"})) is None
 
 
-def test_joining_a_cluster_without_a_node_for_a_worker_warns(capsys):
+def test_joining_a_cluster_without_a_node_for_a_worker_warns(caplog):
     """Workers of 2 CPUs (the quickstart's faster setting on 2 cores) on cluster/local.sh's 1-CPU nodes: Ray
     Train would wait without a word; the driver says why and what to set. A node with the resources is quiet."""
     from clsys.recipes import load_config
@@ -209,14 +210,15 @@ def test_joining_a_cluster_without_a_node_for_a_worker_warns(capsys):
     two_cpus = load_config("quickstart", ["cluster.num_workers=1", "cluster.cpus_per_worker=2"]).cluster
     gpu = load_config("quickstart", ["cluster.use_gpu=true"]).cluster
     warn_if_no_node_fits_a_worker(two_cpus, [{"CPU": 1.0}, {"CPU": 1.0}])
-    err = capsys.readouterr().err
-    assert "no node of this cluster has {'CPU': 2} for a worker (the most CPUs on a node: 1)" in err
+    (record,) = caplog.records
+    err = record.getMessage()
+    assert record.levelno == logging.WARNING and "no node of this cluster has {'CPU': 2} for a worker (the most CPUs on a node: 1)" in err
     assert "cluster.cpus_per_worker" in err
     warn_if_no_node_fits_a_worker(two_cpus, [{"CPU": 1.0}, {"CPU": 4.0}])
     warn_if_no_node_fits_a_worker(gpu, [{"CPU": 8.0, "GPU": 1.0}])
-    assert capsys.readouterr().err == ""
+    assert len(caplog.records) == 1
     warn_if_no_node_fits_a_worker(gpu, [{"CPU": 8.0}])
-    assert "'GPU': 1" in capsys.readouterr().err
+    assert "'GPU': 1" in caplog.records[-1].getMessage()
 
 
 def test_working_dir_upload_is_small(tmp_path):

@@ -8,9 +8,9 @@ a damaged checkpoint and compares it bit for bit with an uninterrupted one.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -87,12 +87,16 @@ def _resume_after(ranks: RankCheckpoints, run: str, damage: Callable[[], object]
 
     result = {"damage": damage()} if ranks.rank == 0 else {}
     dist.barrier()
-    printed = io.StringIO()
+    printed = io.StringIO()  # the records of clsys's loggers, one message a line
+    handler, logger = logging.StreamHandler(printed), logging.getLogger("clsys")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        with contextlib.redirect_stdout(printed):
-            result["step"], result["loader"] = ranks.resume(_resume_candidates(run, None))
+        result["step"], result["loader"] = ranks.resume(_resume_candidates(run, None))
     except RuntimeError as err:
         result["error"] = str(err)
+    finally:
+        logger.removeHandler(handler)
     dist.barrier()
     result["complete"] = [step for step, _ in checkpoint.complete_checkpoints(run)]
     result["printed"] = printed.getvalue()

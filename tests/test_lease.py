@@ -6,6 +6,7 @@ running one and sees it refused."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -211,7 +212,7 @@ def lossy_s3(s3_server, s3_bucket, monkeypatch):
 
 
 @pytest.mark.parametrize("retries", [storage.base.ATTEMPTS, 0])
-def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, monkeypatch, capsys):
+def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, monkeypatch, caplog):
     """Every third PUT (the create and the check of conditions pass) is applied by the server but its
     response never arrives: botocore sends the same If-Match PUT again and gets 412, as the lease it
     matched has just been replaced, by this very write. With no retries the renewal fails instead, and
@@ -224,22 +225,24 @@ def test_a_renewal_whose_response_is_lost_keeps_the_lease(retries, lossy_s3, mon
     time.sleep(3)
     assert not lost, "a driver stopped for a renewal whose response was lost"
     assert proxy.injected["lost"] >= 2
-    assert ("warning: renewing" in capsys.readouterr().err) == (retries == 0)
+    assert any(r.levelno == logging.WARNING and "warning: renewing" in r.getMessage()
+               for r in caplog.records) == (retries == 0)
     stored = storage.parse_json(compare_and_swap.read_versioned(storage.join(run_url, LEASE))[0], LEASE)
     assert stored["holder"] == lease.record["holder"] and stored["renewals"] >= 4
     lease.release()
     assert compare_and_swap.read_versioned(storage.join(run_url, LEASE)) is None
 
 
-def test_a_lease_created_with_a_lost_response_is_taken_at_once(lossy_s3, capsys):
+def test_a_lease_created_with_a_lost_response_is_taken_at_once(lossy_s3, caplog):
     """The create (If-None-Match: *) is applied, its response lost, and the retry gets 412: the lease
     the driver finds is its own, which it must not watch for a time-to-live as if another held it."""
+    caplog.set_level(logging.INFO, logger="clsys")
     run_url, proxy = lossy_s3(Fault("lost", "PUT", times=1))
     lease = Lease(run_url, 5.0, on_lost=lambda lease: pytest.fail("the lease was lost"))
     started = time.monotonic()
     lease.acquire(poll_s=0.1)
     assert time.monotonic() - started < 2.5 and proxy.injected["lost"] == 1
-    assert "is held by" not in capsys.readouterr().out
+    assert "is held by" not in caplog.text
     assert _lease_holder(run_url) == lease.record["holder"]
     lease.release()
 

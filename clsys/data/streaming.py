@@ -49,6 +49,7 @@ import collections
 import functools
 import hashlib
 import itertools
+import logging
 import math
 import os
 import random
@@ -68,9 +69,11 @@ from clsys.data.batch_transport import (WORKER_KEY, PackedBatch, batches_per_tra
                                         one_at_a_time, unpack)
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
-from clsys.data.loader_workers import WorkerSetup, follow_trainer, process_start, worker_start
+from clsys.data.loader_workers import WorkerSetup, follow_trainer, forkserver_preload, process_start, worker_start
 from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
+
+log = logging.getLogger(__name__)
 
 ON_BAD_SAMPLE = ("error", "skip")
 
@@ -222,6 +225,9 @@ class ShardLoader:
         self.pin_memory = pin_memory
         self.bundle = bundle or batches_per_transfer(micro_batch)
         self.worker_start = worker_start(collate)
+        log.debug(f"[clsys] rank {rank} loader: {loader_workers} worker(s) started by "
+                  f"{self.worker_start.get_start_method()} (preloading {', '.join(forkserver_preload(collate))}), "
+                  f"{self.bundle} batch(es) per transfer, {'pinned' if pin_memory else 'pageable'} memory")
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
@@ -279,8 +285,10 @@ class ShardLoader:
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
 
         def read_ahead() -> Future:
-            return background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1),
-                                     prefetch_depth(reader.step_seconds, self.workers))
+            depth = prefetch_depth(reader.step_seconds, self.workers)
+            log.debug(f"[clsys] rank {self.rank} loader: epoch {self.state.epoch + 1} read ahead, {depth} batches "
+                      f"ready per worker (steps of {reader.step_seconds or 0:.3f} s)")
+            return background.submit(SegmentReader, self, self._epoch_start(self.state.epoch + 1), depth)
 
         # The finished epoch's reader, whose workers are stopped (20-40 ms of joining them, from the thread) once the
         # next epoch's first batch is out: stopping them meanwhile took the trainer's thread's interpreter lock, and

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import pickle
 import random
@@ -52,6 +53,8 @@ from clsys.storage import integrity
 from clsys.engine.deepspeed import plain_data_parallel
 from clsys.model.folder import COUNT, POSITIVE, SHOWN, TEXT, CheckpointError, Kind, checked_record
 from clsys.storage.integrity import SEAL, SUMS
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"step-(\d{8})$")
 RANK_MARKERS = "ranks"  # <checkpoint>/ranks/rank-NNNNN: that rank's files uploaded, with their checksums
@@ -344,6 +347,7 @@ def fetch_intact(candidates: list[str], world: int) -> Fetched | None:
     A damaged one is set aside (``set_aside``) once an older one passes, and named in a warning; when
     none passes, nothing is set aside and RuntimeError lists what was found. None: no candidates."""
     damaged = []
+    log.debug(storage.redact(f"[clsys] checkpoints to resume from, newest first: {', '.join(candidates) or 'none'}"))
     for url in candidates:
         fetched, problems = _fetch(url, world)
         if fetched is None:
@@ -352,8 +356,9 @@ def fetch_intact(candidates: list[str], world: int) -> Fetched | None:
         if dist.get_rank() == 0:
             for bad, bad_problems in damaged:
                 set_aside(bad, bad_problems)
-                print(f"[clsys] warning: checkpoint {bad} is damaged ({'; '.join(bad_problems)}); set aside "
-                      f"(its COMPLETE marker replaced by a CORRUPT file), resuming from {url} instead", flush=True)
+                log.warning(f"[clsys] warning: checkpoint {bad} is damaged ({'; '.join(bad_problems)}); set aside "
+                            f"(its COMPLETE marker replaced by a CORRUPT file), resuming from {url} instead")
+        log.debug(storage.redact(f"[clsys] resuming from {url}: its files match its SHA256SUMS"))
         return fetched
     if damaged:
         raise RuntimeError("no intact checkpoint to resume from: " +

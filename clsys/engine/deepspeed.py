@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 import sys
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from clsys.config import Config
 from clsys.engine.ranks import ProcessGroupRanks
+
+log = logging.getLogger(__name__)
 
 
 def init_distributed() -> None:
@@ -71,7 +74,10 @@ def step_precision(cfg: Config) -> str:
     as fast as in fp32 (docs/benchmarks.md, "Throughput and scale")."""
     if cfg.train.precision != "auto":
         return cfg.train.precision
-    return "bf16" if bf16_matmul_units(cfg.cluster.use_gpu) else "fp32"
+    units = bf16_matmul_units(cfg.cluster.use_gpu)
+    log.debug(f"[clsys] train.precision auto: {'bf16' if units else 'fp32'} (bf16 matrix units on this "
+              f"{'GPU' if cfg.cluster.use_gpu else 'CPU'}: {'yes' if units else 'no'})")
+    return "bf16" if units else "fp32"
 
 
 # Of a device's memory (on CPU: a rank's share of the node's), what the whole training state may take for
@@ -92,16 +98,21 @@ def resolve_zero_stage(cfg: Config, model: torch.nn.Module, resumed_stage: int |
         return cfg
     if resumed_stage is not None:
         stage = resumed_stage
+        log.debug(f"[clsys] train.zero_stage auto: {stage}, the stage of the checkpoint resumed from")
     else:
         need = sum(p.numel() * (STATE_BYTES_PER_PARAMETER if p.requires_grad else p.element_size())
                    for p in model.parameters())
-        stage = 0 if need <= STATE_SHARE * rank_memory_bytes(cfg.cluster.use_gpu) else 2
+        memory = rank_memory_bytes(cfg.cluster.use_gpu)
+        stage = 0 if need <= STATE_SHARE * memory else 2
         if dist.is_initialized():  # ranks on different hardware: the largest stage any of them needs
             from deepspeed.accelerator import get_accelerator
 
             agreed = torch.tensor([stage], device=get_accelerator().current_device_name())
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stage = int(agreed.item())
+        log.debug(f"[clsys] train.zero_stage auto: {stage} (the largest any rank needs; on this one the training state "
+                  f"takes {need / 2**30:.2f} GiB, {STATE_SHARE:g} of its memory is "
+                  f"{STATE_SHARE * memory / 2**30:.2f} GiB)")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage))
 
 

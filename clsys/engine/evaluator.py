@@ -9,12 +9,15 @@ anyway); rank 0 logs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from clsys.analysis.heatmap import Panel, render, token_similarity
 from clsys.config import Config
 from clsys.engine.selection import selected_metric
 from clsys.metrics.health import TensorBoard
 from clsys.objectives import Objective
+
+log = logging.getLogger(__name__)
 
 
 def dev_set(cfg: Config):
@@ -46,10 +49,10 @@ class Evaluator:
         self.objective, self.cfg, self.rank, self.tb = objective, cfg, rank, tb
         self.dev_set = dev_set(cfg)
         if self.dev_set is not None and self.dev_set.note and rank == 0:
-            print(f"[clsys] eval.sts_dev {cfg.eval.sts_dev}: {self.dev_set.note}", flush=True)
+            log.info(f"[clsys] eval.sts_dev {cfg.eval.sts_dev}: {self.dev_set.note}")
         self.retrieval_set = retrieval_dev_set(cfg)
         if self.retrieval_set is not None and self.retrieval_set.note and rank == 0:
-            print(f"[clsys] eval.retrieval_dev {cfg.eval.retrieval_dev}: {self.retrieval_set.note}", flush=True)
+            log.info(f"[clsys] eval.retrieval_dev {cfg.eval.retrieval_dev}: {self.retrieval_set.note}")
         self.metric = selected_metric(cfg, self.dev_set.name if self.dev_set is not None else None,
                                       self.retrieval_set.name if self.retrieval_set is not None else None)
         self.wanted = self.dev_set is not None or self.retrieval_set is not None or bool(
@@ -72,7 +75,7 @@ class Evaluator:
             self.tb.scalars("eval", scores, step)
             if self.rank == 0:
                 shown = ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
-                print(f"[clsys] step {step}: {shown}", flush=True)
+                log.info(f"[clsys] step {step}: {shown}")
         if cfg.eval.heatmap_text:
             tokens, similarity = token_similarity(objective.encoder(), objective.tokenizer, cfg.eval.heatmap_text)
             if self.rank == 0:

@@ -8,9 +8,13 @@ line per failed rank.
 """
 from __future__ import annotations
 
+import logging
+
 from ray.train import UserCallback
 
-from clsys import storage
+from clsys import logs, storage
+
+log = logging.getLogger(__name__)
 
 
 class FailureReport(UserCallback):
@@ -22,6 +26,7 @@ class FailureReport(UserCallback):
         self.reported.clear()  # a (re)started group is training: its next failure is news
 
     def after_exception(self, run_context, worker_exceptions) -> None:
+        logs.configure()  # in Ray Train's controller: the driver's level, from the environment it handed Ray
         for rank, error in sorted(worker_exceptions.items()):
             # A worker's error arrives wrapped with its traceback as its text (Ray Train's
             # UserExceptionWithTraceback, which keeps the exception itself in _base_exc): name that one. A
@@ -31,4 +36,4 @@ class FailureReport(UserCallback):
             line = f"[clsys] rank {rank} failed: {type(cause).__name__}: {lines[0] if lines else ''}"
             if line not in self.reported:
                 self.reported.add(line)
-                print(line, flush=True)
+                log.error(line)

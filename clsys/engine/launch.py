@@ -6,18 +6,20 @@ collective watchdog. The workers get the resolved ``Config`` itself in ``train_l
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import socket
-import sys
 import tempfile
 
-from clsys import storage
+from clsys import logs, storage
 from clsys.config import ClusterConfig, Config, run_url
 
 # Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
 # visible in the dashboard): workers read them from their own environment / instance role.
+log = logging.getLogger(__name__)
+
 WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
               "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "RAY_API_SERVER_ADDRESS")
 
@@ -57,6 +59,8 @@ def init_ray(cfg: Config) -> None:
         env.setdefault("DS_ACCELERATOR", "cpu")
     # Ray Train routes workers' print() through its logger, which reaches the console twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # The driver's level (its --log-level or CLSYS_LOG_LEVEL), for each worker's clsys.logs.configure().
+    env[logs.LEVEL_ENV] = logging.getLevelName(logging.getLogger("clsys").getEffectiveLevel())
     # Read by Ray Train's controller when a failed worker group shuts down: how long its process group
     # gets to close before the workers are killed. A stuck rank never closes it, so every restart after
     # one waited Ray's whole default (30 s) for nothing.
@@ -72,7 +76,7 @@ def init_ray(cfg: Config) -> None:
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
-        print(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+        log.info(f"[clsys] joined the Ray cluster at {os.environ['RAY_ADDRESS']}")
         warn_if_no_node_fits_a_worker(cfg.cluster, [node["Resources"] for node in ray.nodes() if node["Alive"]])
         return
     cpus = max(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker, os.cpu_count() or 1)
@@ -86,8 +90,8 @@ def init_ray(cfg: Config) -> None:
     env["RAY_API_SERVER_ADDRESS"] = dashboard = f"http://127.0.0.1:{port}"
     ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
-    print(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
-          "(set RAY_ADDRESS to join one)", flush=True)
+    log.info(f"[clsys] started a local Ray cluster with {cpus} CPUs, dashboard {dashboard} "
+             "(set RAY_ADDRESS to join one)")
 
 
 def warn_if_no_node_fits_a_worker(cluster: ClusterConfig, nodes: list[dict[str, float]]) -> None:
@@ -96,9 +100,9 @@ def warn_if_no_node_fits_a_worker(cluster: ClusterConfig, nodes: list[dict[str, 
     need = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if cluster.use_gpu else {})}
     if not any(all(node.get(key, 0) >= amount for key, amount in need.items()) for node in nodes):
         most = max((node.get("CPU", 0) for node in nodes), default=0)
-        print(f"[clsys] warning: no node of this cluster has {need} for a worker (the most CPUs on a node: "
-              f"{most:g}); training waits until one joins. Set cluster.cpus_per_worker (and cluster.num_workers) "
-              "to what the nodes have.", file=sys.stderr, flush=True)
+        log.warning(f"[clsys] warning: no node of this cluster has {need} for a worker (the most CPUs on a node: "
+                    f"{most:g}); training waits until one joins. Set cluster.cpus_per_worker (and cluster.num_workers) "
+                    "to what the nodes have.")
 
 
 def free_loopback_port() -> int:
@@ -127,7 +131,7 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
     ray_dir = os.path.join(storage.parse(run).path, "ray") if storage.is_local(run) else \
         os.path.join(tempfile.gettempdir(), "clsys-ray")
     trainer = TorchTrainer(
-        worker,
+        functools.partial(run_logged, worker),
         train_loop_config={"config": cfg, "resume": resume},
         # The collective watchdog: a rank stuck longer than this makes its peers' collectives fail,
         # which fails the worker group and (with cluster.max_restarts) restarts it from a checkpoint.
@@ -148,6 +152,13 @@ def train(cfg: Config, resume: str | None, worker=None) -> None:
         # FailureReport has named each failed rank's error; Ray's text holds the full tracebacks.
         raise RuntimeError(f"training failed after {c.max_restarts} restart(s): "
                            f"{str(err).strip().splitlines()[0]}") from err
+
+
+def run_logged(worker, payload: dict) -> None:
+    """``worker(payload)`` in a Ray Train worker, its logging configured first as the driver's is (the level
+    comes in the workers' environment, ``init_ray``)."""
+    logs.configure()
+    worker(payload)
 
 
 def save_config(cfg: Config, run: str) -> None:

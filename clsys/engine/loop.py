@@ -14,6 +14,7 @@ and sample keys are written beside.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import random
 import shutil
@@ -39,6 +40,8 @@ from clsys.metrics.event_sync import LOG_FOLDER, EventSync
 from clsys.metrics.health import SourceMeter, TensorBoard, Throughput, batch_work, collapsed, duration, peak_tflops
 from clsys.model.encoder import load_tokenizer
 from clsys.objectives import OBJECTIVES, Objective
+
+log = logging.getLogger(__name__)
 
 
 def local_tensorboard_dir(cfg: Config) -> str:
@@ -71,8 +74,7 @@ def _report_skipped(skipped: collections.Counter, rank: int) -> None:
     dist.all_gather_object(everyone, dict(skipped))
     total = sum((collections.Counter(c) for c in everyone), collections.Counter())
     if rank == 0 and total:
-        print("[clsys] skipped bad data: " + ", ".join(f"{reason} {n}" for reason, n in sorted(total.items())),
-              flush=True)
+        log.info("[clsys] skipped bad data: " + ", ".join(f"{reason} {n}" for reason, n in sorted(total.items())))
 
 
 def _drop_sample_keys_after(run: str, step: int) -> None:
@@ -134,8 +136,8 @@ class Trainer:
         self.objective: Objective = OBJECTIVES[cfg.objective.name](cfg, self.tokenizer)
         self.precision = step_precision(cfg)  # what train.precision: auto means on this worker's device
         # Fault tooling and operators find a rank's process by this line (tests/faults.py).
-        print(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
-              f"precision {self.precision}", flush=True)
+        log.info(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
+                 f"precision {self.precision}")
         resume = checkpoint.fetch_intact(_resume_candidates(run, requested_resume), world)
         # train.zero_stage: auto made a stage, so that checkpoints record the one their files are laid out for.
         self.cfg = cfg = resolve_zero_stage(cfg, self.objective, resume.zero_stage if resume else None)
@@ -177,7 +179,7 @@ class Trainer:
             elastic = "" if saved_world == self.world else (
                 f" (written by {saved_world} ranks, {'resharded for' if resume.universal else 'loaded whole on'} "
                 f"{self.world})")
-            print(storage.redact(f"[clsys] resumed from {resume.url} at step {resume.step}{elastic}"), flush=True)
+            log.info(storage.redact(f"[clsys] resumed from {resume.url} at step {resume.step}{elastic}"))
             if self.cfg.train.log_sample_keys:
                 _drop_sample_keys_after(self.run_url, resume.step)
         return resume.step
@@ -215,7 +217,7 @@ class Trainer:
                 self.save_checkpoint(best_value)
             if stopping:
                 if self.rank == 0:
-                    print(f"[clsys] step {self.step}: stopped on request", flush=True)
+                    log.info(f"[clsys] step {self.step}: stopped on request")
                 break
         self.writer.wait()  # the last checkpoint complete before the worker returns
         stop_watch.close()
@@ -271,9 +273,9 @@ class Trainer:
             now = collapsed(values, cfg.train.collapse_uniformity)
             tb.scalars("health", {"collapse": float(now)}, step)
             if now and not self.collapsing and self.rank == 0:
-                print(f"[clsys] warning: step {step}: the embeddings are collapsing (train/uniformity "
-                      f"{values['uniformity']:.3f} > train.collapse_uniformity {cfg.train.collapse_uniformity}): "
-                      "distinct sentences get nearly the same vector; lower optim.lr or check the data", flush=True)
+                log.warning(f"[clsys] warning: step {step}: the embeddings are collapsing (train/uniformity "
+                            f"{values['uniformity']:.3f} > train.collapse_uniformity {cfg.train.collapse_uniformity}): "
+                            "distinct sentences get nearly the same vector; lower optim.lr or check the data")
             self.collapsing = now
         if self.sources.batches:
             tb.scalars("train/source", self.sources.take(), step)
@@ -283,9 +285,8 @@ class Trainer:
             # The ETA extrapolates this start's pace, evaluations and checkpoints included.
             elapsed = time.perf_counter() - started
             eta = elapsed / (step - first_step) * (cfg.train.steps - step)
-            print(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
-                  f"{rates['samples_per_s']:.1f} samples/s, {duration(elapsed)} elapsed, ETA {duration(eta)}",
-                  flush=True)
+            log.info(f"[clsys] step {step}/{cfg.train.steps} loss {values['loss']:.4f} lr {values['lr']:.2e} "
+                     f"{rates['samples_per_s']:.1f} samples/s, {duration(elapsed)} elapsed, ETA {duration(eta)}")
         # No ray.train.report: nothing reads Ray's copy of the metrics (TensorBoard and the console have them),
         # and each report is a barrier across ranks plus a one-slot queue the controller empties every 2 s:
         # logging more often than that blocked every rank for up to 2 s a report.
@@ -304,9 +305,8 @@ class Trainer:
         def complete(url: str) -> None:  # rank 0, once the checkpoint is complete
             if record is not None:
                 best.write(record)
-            print(storage.redact(f"[clsys] step {step}: checkpoint {url}" +
-                                 (f", the best {metric} so far ({record.value:.2f})" if record is not None else "")),
-                  flush=True)
+            log.info(storage.redact(f"[clsys] step {step}: checkpoint {url}" +
+                                    (f", the best {metric} so far ({record.value:.2f})" if record is not None else "")))
 
         self.writer.save(step, saved, self.meta, self.hf_files, protect, complete if self.rank == 0 else None)
         if self.rank == 0:

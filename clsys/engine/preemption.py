@@ -14,14 +14,16 @@ synchronised for it. They write a checkpoint and return; the driver sees a run t
 """
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 
 import torch
 import torch.distributed as dist
 
 from clsys import storage
+
+log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -48,7 +50,7 @@ def install_stop_handlers(run_url: str) -> None:
         _stop_requested.set()
         ignore_stop_signals()
         name = signal.Signals(signum).name
-        print(f"[clsys] {name}: asking the workers to checkpoint and stop", file=sys.stderr, flush=True)
+        log.warning(f"[clsys] {name}: asking the workers to checkpoint and stop")
         # Storage calls do not belong in a signal handler (it interrupts arbitrary code): a thread writes.
         threading.Thread(target=write_marker, args=(name,), daemon=True).start()
 

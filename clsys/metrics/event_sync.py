@@ -6,11 +6,13 @@ serves them from there.
 """
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 
 from clsys import storage
+
+log = logging.getLogger(__name__)
 
 LOG_FOLDER = "tensorboard"
 
@@ -31,8 +33,7 @@ class EventSync:
             try:
                 self.sync()
             except storage.StorageError as err:  # keep training; the next round tries again
-                print(storage.redact(f"[clsys] TensorBoard sync to {self.url} failed, retrying later: {err}"),
-                      file=sys.stderr, flush=True)
+                log.warning(storage.redact(f"[clsys] TensorBoard sync to {self.url} failed, retrying later: {err}"))
 
     def sync(self) -> int:
         """Copy what changed since the last call; returns the number of files copied."""

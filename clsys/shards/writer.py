@@ -24,9 +24,9 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import random
-import sys
 import tarfile
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +37,8 @@ from clsys import storage
 from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS, RECORD_OVERHEAD, Record, block_members
 from clsys.shards.manifest import FORMAT, MANIFEST, ShardInfo
 from clsys.storage import StorageError
+
+log = logging.getLogger(__name__)
 
 # The fixed fields of ``ustar_header`` (mode 644, uid/gid 0 | mtime 0 | the checksum field counted as
 # spaces, as the checksum is computed | type "regular file" | magic and version) and their byte sum.
@@ -323,8 +325,7 @@ class ShardWriter:
         if self.previous.get(info.name) == info.sha256 and storage.exists(dest):
             self.unchanged += 1
             storage.discard_staged(staged)
-            print(storage.redact(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped"),
-                  file=sys.stderr)
+            log.info(storage.redact(f"{dest}: unchanged (sha256 matches the existing manifest), upload skipped"))
         else:
             self._remove_old_manifest()
             self.uploaded += 1

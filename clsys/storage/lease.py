@@ -29,15 +29,17 @@ never ends. A person who knows that no driver uses the run removes it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 
 from clsys import storage
 from clsys.storage import compare_and_swap
+
+log = logging.getLogger(__name__)
 
 LEASE = "LEASE"
 # The longest time-to-live (a day): how long a requeued job may wait on a lease its dead driver left.
@@ -128,16 +130,15 @@ class Lease:
             ttl = holder["ttl_s"]
             who = f"pid {holder['pid']} on {holder['host']}"
             if watched is None:
-                print(f"[clsys] {self.url} is held by {who}; watching it for up to {ttl:g} s "
-                      f"(its cluster.lease_ttl_s) to see whether that driver is alive", flush=True)
+                log.info(f"[clsys] {self.url} is held by {who}; watching it for up to {ttl:g} s "
+                         f"(its cluster.lease_ttl_s) to see whether that driver is alive")
                 watched, since = found[1], time.monotonic()
             elif found[1] != watched:
                 raise LeaseHeld(f"{self.url}: the run is in use by another driver ({who}, started "
                                 f"{holder['started']}), which renews its lease: let it finish, or choose "
                                 f"another train.name")
             elif time.monotonic() - since > ttl:
-                print(f"[clsys] {self.url}: not renewed for {ttl:g} s, so {who} is gone; taking the lease over",
-                      flush=True)
+                log.info(f"[clsys] {self.url}: not renewed for {ttl:g} s, so {who} is gone; taking the lease over")
                 return watched
             time.sleep(poll_s if poll_s is not None else min(1.0, ttl / 10))
         return None
@@ -155,7 +156,7 @@ class Lease:
             try:
                 version = self._write(self.version)
             except storage.StorageError as err:  # the store is unreachable: try again at the next beat
-                print(f"[clsys] warning: renewing {self.url} failed: {err}", file=sys.stderr, flush=True)
+                log.warning(f"[clsys] warning: renewing {self.url} failed: {err}")
                 continue
             if version is None:
                 self.on_lost(self)
@@ -178,6 +179,6 @@ def _exit_on_lost(lease: Lease) -> None:
         to = f"pid {holder['pid']} on {holder['host']}" if holder else "another driver, which has released it since"
     except storage.StorageError as err:
         to = f"a record clsys cannot read ({err})"
-    print(f"error: {lease.url}: this driver lost its lease (not renewed for {lease.ttl_s:g} s) to {to}; "
-          f"stopping at once so that only one driver writes the run", file=sys.stderr, flush=True)
+    log.error(f"error: {lease.url}: this driver lost its lease (not renewed for {lease.ttl_s:g} s) to {to}; "
+              f"stopping at once so that only one driver writes the run")
     os._exit(1)

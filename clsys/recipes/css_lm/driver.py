@@ -7,6 +7,7 @@ and reports test accuracy at the best dev epoch, mean ± std over the seeds, in 
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import sys
 
@@ -18,6 +19,8 @@ from clsys.storage.lease import LEASE
 from clsys.recipes.css_lm.corpus import resolve_corpus_stream
 from clsys.recipes.css_lm.pipeline import RESULT, css_lm_worker, load_task
 from clsys.shards.reader import load_shards
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, repeats: int) -> int:
@@ -59,13 +62,13 @@ def run(cfg: Config, repeats: int) -> int:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
 
-    print(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
-          f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO stage {cfg.train.zero_stage}")
+    log.info(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
+             f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO stage {cfg.train.zero_stage}")
     init_ray(cfg)
     results = []
     for seeded, run in runs:
         if storage.exists(storage.join(run, RESULT)):
-            print(storage.redact(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped"), flush=True)
+            log.info(storage.redact(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped"))
         else:
             train(seeded, None, css_lm_worker)
         results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})

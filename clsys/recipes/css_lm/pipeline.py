@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import random
@@ -48,6 +49,8 @@ from clsys.model.encoder import load_tokenizer
 from clsys.recipes.css_lm.objective import CSSLM
 from clsys.recipes.css_lm.bank import RetrievalBank, load_shard, save_shard
 from clsys.metrics.event_sync import LOG_FOLDER, EventSync
+
+log = logging.getLogger(__name__)
 
 RESULT = "result.json"
 
@@ -136,7 +139,7 @@ class Worker:
 
     def log(self, message: str) -> None:
         if self.rank == 0:
-            print(f"[clsys] {message}", flush=True)
+            log.info(f"[clsys] {message}")
 
     def run(self) -> None:
         method = self.cfg.objective.method
