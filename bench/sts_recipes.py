@@ -105,6 +105,16 @@ def consumed_batches(run_dir: str, ranks: int, micro_batch: int, steps: int) -> 
     return [[key for keys in per_rank for key in keys[s * micro_batch:(s + 1) * micro_batch]] for s in range(steps)]
 
 
+def st_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The recipe's optimizer for a sentence-transformers arm: AdamW with its learning rate, betas, eps and weight
+    decay, and its warm-up and decay schedule (clsys's own ``lr_lambda``), stepped once an optimizer step."""
+    from clsys.engine.deepspeed import lr_lambda
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
 def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out: str, precision: str,
                                  warmup: int = 0) -> float:
     """The clsys SimCSE recipe through sentence-transformers, on the batches a clsys run consumed.
@@ -120,7 +130,6 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
-    from clsys.engine.deepspeed import lr_lambda
     from clsys.model.loading import resolve_model_path
 
     torch.manual_seed(cfg.train.seed)
@@ -132,9 +141,7 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
     torch.nn.init.zeros_(mlp.linear.bias)
     model = SentenceTransformer(modules=[word, Pooling(dim, "cls"), mlp], device="cpu")
     loss = MultipleNegativesRankingLoss(model, scale=1.0 / cfg.objective.temperature)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer, schedule = st_optimizer(model, cfg)
     dev = load_sts(resolve_sts(cfg.eval.sts_dev))
     best, best_state, seconds = -float("inf"), None, 0.0
     for step, keys in enumerate(batches, 1):
@@ -148,7 +155,7 @@ def sentence_transformers_simcse(shards: str, batches: list[list[str]], cfg, out
         value = loss.compute_loss_from_embeddings(list(embeddings.float().chunk(2)), None)
         optimizer.zero_grad()
         value.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         schedule.step()
         if step > warmup:
