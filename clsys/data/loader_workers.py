@@ -83,7 +83,7 @@ class WorkerSetup:
         return cls(dict(os.environ), LOADER_WORKER_NICENESS)
 
     def apply(self) -> None:
-        """In the loader worker, as its dataset begins to iterate."""
+        """In the loader worker, as it starts (the DataLoader's ``worker_init_fn``)."""
         if os.environ != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)

@@ -22,6 +22,7 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
+from clsys.data.transport import uses_fast_path
 from clsys.model.encoder import Pooling, build_encoder, build_masked_lm, pool
 from clsys.model.folder import ExportSpec
 from clsys.model.loading import POOLER_MODEL_TYPES
@@ -69,7 +70,7 @@ class SimCSEData(DataSpec):
         super().__init__(cfg, tokenizer, streams, reads_ids)
         oc: SimCSEConfig = cfg.objective
         self.supervised = oc.supervised
-        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length, fast=uses_fast_path(cfg.data.transport))
         self.masker = Masker.for_tokenizer(tokenizer, oc.mlm_probability, cap=cfg.data.max_length) \
             if oc.mlm_weight else None
 
