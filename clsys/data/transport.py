@@ -50,6 +50,8 @@ TRANSPORTS = ("plain", "fast")
 
 # The HF methods between ``tokenizer(texts, ...)`` and the backend's ``encode_batch``, as of transformers 5.
 TOKENIZER_CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
+# What marks a seq2seq tokenizer, which switches templates per call: one that has it keeps the HF call.
+SEQ2SEQ_MARK = "_switch_to_input_mode"
 # The pipe that carries finished bundles from the workers to the trainer holds this much (Linux; a pipe holds 64 KiB
 # by default, and 1 MiB is the most an unprivileged process may ask for, /proc/sys/fs/pipe-max-size). A bundle,
 # ~200 KB of SimCSE's at batch 64, does not fit a default pipe: the worker's queue thread writes part of it and
@@ -58,8 +60,8 @@ TOKENIZER_CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding",
 RESULT_PIPE_BYTES = 1 << 20
 
 
-def missing_private_names() -> list[str]:
-    """The private names the fast transport uses that this process's torch, transformers or Python lacks."""
+def private_names() -> dict[str, bool]:
+    """Each private name the fast transport uses (its library's dotted path) and whether this process has it."""
     iterator = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
     tokenizer = transformers.PreTrainedTokenizerFast
     there = {
@@ -74,7 +76,12 @@ def missing_private_names() -> list[str]:
             hasattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd"),
         **{f"transformers.PreTrainedTokenizerFast.{name}": hasattr(tokenizer, name) for name in TOKENIZER_CALL_PATH},
     }
-    return [name for name, present in there.items() if not present]
+    return there
+
+
+def missing_private_names() -> list[str]:
+    """The private names the fast transport uses that this process's torch, transformers or Python lacks."""
+    return [name for name, present in private_names().items() if not present]
 
 
 @functools.cache
@@ -100,7 +107,7 @@ def tokenizer_call_is_the_backends(tokenizer) -> bool:
     base = transformers.PreTrainedTokenizerFast  # transformers 5: the base of every Rust-backed tokenizer
     return (isinstance(tokenizer, base) and tokenizer.pad_token is not None  # else the HF call refuses to pad
             and all(getattr(type(tokenizer), name) is getattr(base, name) for name in TOKENIZER_CALL_PATH)
-            and not hasattr(tokenizer, "_switch_to_input_mode"))  # seq2seq tokenizers switch templates per call
+            and not hasattr(tokenizer, SEQ2SEQ_MARK))
 
 
 class Delivery(Protocol):
@@ -219,9 +226,22 @@ class FastTransport:
 
 
 def begin_worker(setup: WorkerSetup, trainer: int, started: int | None, worker_id: int) -> None:
-    """A fast loader worker's start (the DataLoader's ``worker_init_fn``): the trainer's setup, and its end with it."""
+    """A fast loader worker's start (the DataLoader's ``worker_init_fn``): the trainer's setup, and the worker and its
+    forkserver ending with the trainer, process ``trainer`` started at ``started``."""
     setup.apply()
-    follow_trainer(trainer, started, worker_id)
+    close_forkserver_alive_copy()
+    follow_trainer(trainer, started)
+
+
+def close_forkserver_alive_copy() -> None:
+    """Close this process's copy of the write end of its forkserver's "alive" pipe. The forkserver exits once that
+    end is closed in every process, but multiprocessing hands each process it starts a copy (so that a worker could
+    start processes of its own through it; ours start none): closed in every worker, the forkserver ends with the
+    trainer."""
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # None: not started by a forkserver
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
 
 
 def grow_result_pipe(batches: Iterator) -> int:
