@@ -37,9 +37,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
-import transformers
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data import dataloader
+from torch.utils.data import DataLoader, IterableDataset, dataloader
 
 from clsys.data.batch_transport import PackedBatch, one_at_a_time, unpack
 from clsys.data.loader_workers import WorkerSetup, follow_trainer, process_start, worker_start
@@ -62,6 +60,8 @@ RESULT_PIPE_BYTES = 1 << 20
 
 def private_names() -> dict[str, bool]:
     """Each private name the fast transport uses (its library's dotted path) and whether this process has it."""
+    import transformers  # on first use, as where the collates use it: importing the loader imports no tokenizer code
+
     iterator = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
     tokenizer = transformers.PreTrainedTokenizerFast
     there = {
@@ -104,7 +104,8 @@ def uses_fast_path(transport: str) -> bool:
 def tokenizer_call_is_the_backends(tokenizer) -> bool:
     """Whether the HF call on a batch of texts is the Rust backend's ``encode_batch`` and nothing more: the tokenizer's
     class keeps transformers' own call path (``TOKENIZER_CALL_PATH``)."""
-    base = transformers.PreTrainedTokenizerFast  # transformers 5: the base of every Rust-backed tokenizer
+    from transformers import PreTrainedTokenizerFast as base  # transformers 5: the base of every Rust-backed one
+
     return (isinstance(tokenizer, base) and tokenizer.pad_token is not None  # else the HF call refuses to pad
             and all(getattr(type(tokenizer), name) is getattr(base, name) for name in TOKENIZER_CALL_PATH)
             and not hasattr(tokenizer, SEQ2SEQ_MARK))
@@ -129,7 +130,7 @@ class Transport(Protocol):
 
     def start(self, dataset: IterableDataset, workers: int, turn: int, prefetch: int, pin_memory: bool) -> Delivery:
         """``dataset``'s DataLoader with ``workers`` workers, the first of them in the turn of loader worker ``turn``;
-        ``prefetch``: batches each worker keeps ready (fast) ."""
+        ``prefetch``: batches each worker keeps ready (fast)."""
         ...
 
 
@@ -142,6 +143,9 @@ def data_loader(dataset: IterableDataset, workers: int, pin_memory: bool, **opti
 
 
 class PlainDelivery:
+    """The DataLoader's own iterator: its batches as it hands them out, in the loader's order (the dataset rotates
+    its workers so that the first is the one whose turn it is)."""
+
     def __init__(self, batches: Iterator[dict]):
         self.batches: Iterator[dict] | None = batches
 
@@ -154,6 +158,8 @@ class PlainDelivery:
 
 @dataclass(frozen=True)
 class PlainTransport:
+    """A stock DataLoader, each batch one item (see the module)."""
+
     name: ClassVar[str] = "plain"
     reads_ahead: ClassVar[bool] = False
 
@@ -198,6 +204,9 @@ class FastDelivery:
 
 @dataclass(frozen=True)
 class FastTransport:
+    """The stock DataLoader's batches in bundles of packed batches, from forkserver workers that follow the trainer
+    (see the module)."""
+
     bundle: int  # batches a worker sends at once
     context: BaseContext  # how the workers start (``worker_start``)
     name: ClassVar[str] = "fast"
