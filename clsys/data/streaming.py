@@ -57,18 +57,18 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from clsys import storage
 from clsys.config import Config
-from clsys.data.batch_transport import WORKER_KEY, batches_per_transfer
+from clsys.data.batch_transport import WORKER_KEY
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
-from clsys.data.loader_workers import forkserver_preload
-from clsys.data.transport import Delivery, FastTransport, PlainTransport, Transport, uses_fast_path
+from clsys.data.spec import DataSpec
+from clsys.data.transport import Delivery, Transport, transport_for
 from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
@@ -218,15 +218,9 @@ class ShardLoader:
         # Batches in page-locked memory (the DataLoader's pinning thread), so that the step's copies to a GPU
         # are asynchronous (non_blocking) rather than staged through a pageable buffer.
         self.pin_memory = pin_memory
-        self.transport: Transport = PlainTransport()
-        if uses_fast_path(transport):
-            self.transport = FastTransport.for_collate(collate, bundle or batches_per_transfer(micro_batch))
-            log.debug(f"[clsys] rank {rank} loader: fast, {loader_workers} worker(s) started by a forkserver "
-                      f"(preloading {', '.join(forkserver_preload(collate))}), {self.transport.bundle} batch(es) per "
-                      f"transfer, {'pinned' if pin_memory else 'pageable'} memory")
-        else:
-            log.debug(f"[clsys] rank {rank} loader: plain, {loader_workers} worker(s), "
-                      f"{'pinned' if pin_memory else 'pageable'} memory")
+        self.transport = transport_for(transport, collate, micro_batch, bundle)
+        log.debug(f"[clsys] rank {rank} loader: {loader_workers} worker(s), {self.transport}, "
+                  f"{'pinned' if pin_memory else 'pageable'} memory")
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
@@ -391,21 +385,7 @@ class SegmentReader:
             self.delivery = None
 
 
-class DataSide(Protocol):
-    """What a loader's worker processes run for an objective (its ``DataSpec``, ``clsys.objectives.base``)."""
-
-    streams: list[str]
-    tokenizer: Any
-    reads_ids: bool  # whether collate uses the samples' token ids, when they have them
-
-    def collate(self, samples: list[dict]) -> dict: ...
-
-    def sample_lengths(self, samples: list[dict]) -> list[int]: ...
-
-    def combine(self, loaders: dict[str, ShardLoader]): ...
-
-
-def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSide) -> ShardLoader:
+def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSpec) -> ShardLoader:
     """A ``ShardLoader`` over the stream ``stream`` (``sentences``, ``clir/en-de``, …) under ``data.url``, configured
     by the ``data`` section, collating with ``data``."""
     d = cfg.data
@@ -415,7 +395,7 @@ def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSid
                        vocab_size=len(data.tokenizer) if data.reads_ids else None, transport=d.transport)
 
 
-def rank_loader(cfg: Config, rank: int, world: int, data: DataSide):
+def rank_loader(cfg: Config, rank: int, world: int, data: DataSpec):
     """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position), built from an
     objective's data spec: a ``stream_loader`` for each of its streams, combined as it says."""
     return data.combine({stream: stream_loader(cfg, stream, rank, world, data) for stream in data.streams})

@@ -39,8 +39,9 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, dataloader
 
-from clsys.data.batch_transport import PackedBatch, one_at_a_time, unpack
-from clsys.data.loader_workers import WorkerSetup, follow_trainer, process_start, worker_start
+from clsys.data.batch_transport import PackedBatch, batches_per_transfer, one_at_a_time, unpack
+from clsys.data.loader_workers import (WorkerSetup, follow_trainer, forkserver_preload, process_start,
+                                      worker_start)
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +157,25 @@ class PlainDelivery:
         self.batches = None  # the DataLoader's iterator, dropped, stops its workers
 
 
+def transport_for(name: str, collate: Callable, micro_batch: int, bundle: int | None = None) -> Transport:
+    """The transport ``data.transport: name`` runs here, for a loader collating with ``collate`` batches of
+    ``micro_batch``: fast where asked for and every private name it uses is there, else plain. ``bundle``: batches a
+    fast loader worker sends at once (default ``batches_per_transfer``)."""
+    if not uses_fast_path(name):
+        return PlainTransport()
+    return FastTransport(bundle or batches_per_transfer(micro_batch), worker_start(collate),
+                         tuple(forkserver_preload(collate)))
+
+
 @dataclass(frozen=True)
 class PlainTransport:
     """A stock DataLoader, each batch one item (see the module)."""
 
     name: ClassVar[str] = "plain"
     reads_ahead: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return "plain transport (a stock DataLoader)"
 
     def send(self, batches: Iterator[dict]) -> Iterator[dict]:
         return batches
@@ -209,12 +223,13 @@ class FastTransport:
 
     bundle: int  # batches a worker sends at once
     context: BaseContext  # how the workers start (``worker_start``)
+    preload: tuple[str, ...]  # what their forkserver imports (``forkserver_preload``)
     name: ClassVar[str] = "fast"
     reads_ahead: ClassVar[bool] = True
 
-    @classmethod
-    def for_collate(cls, collate: Callable, bundle: int) -> FastTransport:
-        return cls(bundle, worker_start(collate))
+    def __str__(self) -> str:
+        return (f"fast transport (workers from a forkserver preloading {', '.join(self.preload)}, "
+                f"{self.bundle} batch(es) per transfer)")
 
     def send(self, batches: Iterator[dict]) -> Iterator[list[PackedBatch]]:
         bundle = []

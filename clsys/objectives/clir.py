@@ -50,11 +50,12 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
 from clsys.data.transport import uses_fast_path
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 
 
 

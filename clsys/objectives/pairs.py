@@ -51,11 +51,12 @@ from torch import nn
 from clsys import storage
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
 from clsys.data.transport import uses_fast_path
 from clsys.data.mixing import mix_sources, source_streams
 from clsys.model.encoder import Pooling, build_encoder, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 from clsys.objectives.ranks import Ranks
 from clsys.shards.manifest import MANIFEST

@@ -38,10 +38,11 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.pretokenized import SentenceBatcher
+from clsys.data.spec import DataSpec
 from clsys.data.transport import uses_fast_path
 from clsys.model.encoder import build_encoder, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective, add_losses
+from clsys.objectives.base import LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, info_nce
 from clsys.objectives.ranks import ONE_PROCESS, Ranks
 

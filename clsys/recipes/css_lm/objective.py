@@ -52,11 +52,12 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
 from clsys.data.transport import uses_fast_path
 from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, two_views)
 
