@@ -9,7 +9,7 @@ memory, its workers started as torch starts them (forked from the trainer), ende
 epoch's workers start at the epoch's first batch; collates call the tokenizer itself, ``tokenizer(texts, …)``. Public
 names only.
 
-``fast`` adds, each a switch back to plain:
+``fast`` adds these, all of them switched off together by ``plain``:
   - batches as bytes in the pickle, a bundle of them per DataLoader item (``clsys.data.batch_transport``), handed out
     one at a time in plain's order;
   - the pipe that carries them grown to hold a bundle (``grow_result_pipe``);
