@@ -95,7 +95,7 @@ def main() -> None:
     steady = [w for e, i, w, _ in waits if i >= AFTER_BOUNDARY]
     step_s = statistics.median(s - w for _, _, w, s in waits)
     print(f"\nSimCSE loader, {args.model}, batch {args.batch}, {args.workers} loader worker(s), bundles of "
-          f"{loader.bundle}, {settings}, {len(waits)} steps over {args.epochs} epochs; "
+          f"{loader.transport.bundle}, {settings}, {len(waits)} steps over {args.epochs} epochs; "
           f"median step without the wait {step_s * 1000:.1f} ms")
     print(f"{'epoch':>5} {'steps':>5} {'wait first 10 ms':>16} {'wait rest ms/step':>17}")
     for e in range(args.epochs):

@@ -33,6 +33,10 @@ class DataConfig:
     max_length: int = 32  # tokens per sentence after truncation (SimCSE: 32)
     shuffle_buffer: int = 2048  # samples held per loader worker for shuffling
     loader_workers: int = 1  # DataLoader worker processes per training rank
+    # how batches cross from the loader workers to the trainer: plain (a stock DataLoader, the tokenizer's own call)
+    # or fast (the same batches: packed in bundles, forkserver workers, the next epoch read ahead, the tokenizer's
+    # backend called directly)
+    transport: Literal["plain", "fast"] = "fast"
     verify_checksums: bool = True  # compare each shard's sha256 with the manifest before using any of its samples
     # error: stop, naming shard, sample and reason; skip: leave bad shards/samples out
     on_bad_sample: Literal["error", "skip"] = "error"

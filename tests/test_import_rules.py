@@ -127,3 +127,31 @@ def test_the_collectives_check_finds_every_spelling(tmp_path):
         assert imports_torch_distributed(tmp_path / "m.py"), line
     (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n")
     assert not imports_torch_distributed(tmp_path / "m.py")
+
+
+def library_private_uses(path: Path, names: set[str]) -> set[str]:
+    """Which of ``names`` (private names of torch, transformers and multiprocessing) ``path`` names in code: as an
+    attribute, an imported name, or a string (``getattr(obj, "_name")``); its prose may mention them."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return found & names
+
+
+def test_only_the_transport_touches_the_libraries_private_names():
+    """Every private name of torch, transformers and multiprocessing the loader uses is in clsys/data/transport.py,
+    which checks them at start-up and runs plain without them: nowhere else can one break the loader unchecked."""
+    from clsys.data import transport
+
+    names = {part for dotted in transport.private_names() for part in dotted.split(".")
+             if part.startswith("_") and not part.startswith("__")} | {transport.SEQ2SEQ_MARK}
+    assert {"_shutdown_workers", "_worker_result_queue", "_convert_encoding", "_forkserver_alive_fd"} <= names
+    home = REPO / "clsys" / "data" / "transport.py"
+    uses = {str(path.relative_to(REPO)): found for path in sorted((REPO / "clsys").rglob("*.py"))
+            if path != home and (found := library_private_uses(path, names))}
+    assert uses == {}

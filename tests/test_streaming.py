@@ -171,7 +171,7 @@ def test_a_bundle_made_while_the_trainer_is_busy_is_there_whole(tmp_path):
     import fcntl
     import termios
 
-    from clsys.data.batch_transport import RESULT_PIPE_BYTES, grow_result_pipe
+    from clsys.data.transport import RESULT_PIPE_BYTES, grow_result_pipe
     from clsys.data.streaming import SegmentReader
 
     url = f"file://{tmp_path}/stream"
@@ -179,13 +179,14 @@ def test_a_bundle_made_while_the_trainer_is_busy_is_there_whole(tmp_path):
     loader = ShardLoader(url, rank=0, ranks=1, micro_batch=4, collate=heavy_collate, seed=1, bundle=1)
     reader = SegmentReader(loader, loader.state)
     try:
-        pipe = reader.bundles._worker_result_queue._reader.fileno()  # torch's private queue: see grow_result_pipe
+        bundles = reader.delivery.bundles  # the fast transport's DataLoader iterator
+        pipe = bundles._worker_result_queue._reader.fileno()  # torch's private queue: see grow_result_pipe
         waiting, deadline = 0, time.monotonic() + 15
         while waiting < 2 * 400_000 and time.monotonic() < deadline:  # the DataLoader's prefetch: two batches
             time.sleep(0.05)
             waiting = int.from_bytes(fcntl.ioctl(pipe, termios.FIONREAD, b"\0" * 4), sys.byteorder)
         assert waiting >= 2 * 400_000, f"{waiting} bytes in the pipe: the bundles did not fit"
-        assert grow_result_pipe(reader.bundles) == RESULT_PIPE_BYTES
+        assert grow_result_pipe(bundles) == RESULT_PIPE_BYTES
         assert next(iter(reader))["noise"].shape == (100_000,)
     finally:
         reader.close()

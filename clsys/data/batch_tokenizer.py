@@ -11,7 +11,8 @@ its padding side and ids, token types and attention mask, all in [batch, width] 
 token. Pre-tokenized
 ids (``data_prep tokenize``) take the same path from their second half. A tokenizer without a Rust backend (a
 slow, pure-Python one), or one whose class adds steps to the HF call (LayoutLM, LUKE, mBART's language modes,
-…), keeps the HF call.
+…), keeps the HF call, and so does every tokenizer under ``data.transport: plain`` (``fast=False``): the backend copy
+is the fast transport's (``clsys.data.transport``).
 """
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ import numpy as np
 import torch
 
 from clsys.data.chunk_tokenizer import ChunkTokenizer
+from clsys.data.transport import tokenizer_call_is_the_backends
 
-# The HF methods between ``tokenizer(texts, ...)`` and the backend's ``encode_batch``, as of transformers 5.
-_CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
 _PROBE = "clsys probe"  # any text that tokenizes to at least one token
 
 
@@ -63,25 +63,17 @@ class Framing:
         return cls(ids[:start], ids[end:], (types[:start], types[start], types[end:]))
 
 
-def _call_is_the_backends(tokenizer) -> bool:
-    """Whether the HF call on a batch of texts is the Rust backend's ``encode_batch`` and nothing more."""
-    from transformers import PreTrainedTokenizerFast  # transformers 5: the base of every Rust-backed tokenizer
-
-    base = PreTrainedTokenizerFast
-    return (isinstance(tokenizer, base) and tokenizer.pad_token is not None  # else the HF call refuses to pad
-            and all(getattr(type(tokenizer), name) is getattr(base, name) for name in _CALL_PATH)
-            and not hasattr(tokenizer, "_switch_to_input_mode"))  # seq2seq tokenizers switch templates per call
-
-
 class BatchTokenizer:
     """``tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")``;
     ``pad_to_max_length`` means ``padding="max_length"``, ``token_type_ids`` is ``return_token_type_ids``
-    (None: the tokenizer's default, whether ``token_type_ids`` is among its ``model_input_names``)."""
+    (None: the tokenizer's default, whether ``token_type_ids`` is among its ``model_input_names``); ``fast``: through
+    a copy of the backend where that gives the HF call's tensors, else the HF call itself
+    (``clsys.data.transport.uses_fast_path(cfg.data.transport)``)."""
 
     def __init__(self, tokenizer, max_length: int, pad_to_max_length: bool = False,
-                 token_type_ids: bool | None = None):
+                 token_type_ids: bool | None = None, fast: bool = True):
         self.tokenizer, self.max_length = tokenizer, max_length
-        self.pad_to_max_length, self.token_type_ids = pad_to_max_length, token_type_ids
+        self.pad_to_max_length, self.token_type_ids, self.fast = pad_to_max_length, token_type_ids, fast
 
     @functools.cached_property
     def keys(self) -> tuple[str, ...]:
@@ -106,9 +98,10 @@ class BatchTokenizer:
     @functools.cached_property
     def backend(self):
         """The backend, copied and set to cut a text's own tokens as the HF call cuts them; None where the HF
-        call must do the work. Built on first use, in the process that uses it."""
+        call does the work (not ``fast``, or a call that is more than the backend's). Built on first use, in the
+        process that uses it."""
         tokenizer = self.tokenizer
-        if not _call_is_the_backends(tokenizer):
+        if not (self.fast and tokenizer_call_is_the_backends(tokenizer)):
             return None
         backend = copy.deepcopy(tokenizer.backend_tokenizer)  # the tokenizer's own is left as it is
         backend.no_padding()

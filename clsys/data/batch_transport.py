@@ -16,13 +16,13 @@ shapes and key order. With ``pin_memory`` the DataLoader's pinning thread calls
 ``PackedBatch.pin_memory``, which pins one buffer per dtype, so the views are page-locked too.
 
 Batches travel in bundles, a list of one worker's batches per DataLoader item (``batches_per_transfer``), each batch
-tagged with its worker (``WORKER_KEY``), through a pipe grown to hold a bundle (``grow_result_pipe``); the trainer
-hands them out one at a time in the order single batches would come (``one_at_a_time``).
+tagged with its worker (``WORKER_KEY``), through a pipe grown to hold a bundle (``clsys.data.transport``, the fast
+transport, which uses this module); the trainer hands them out one at a time in the order single batches would come
+(``one_at_a_time``).
 """
 from __future__ import annotations
 
 import collections
-import fcntl
 import math
 from typing import Any, Iterator
 
@@ -35,12 +35,6 @@ WORKER_KEY = "__loader_worker__"  # tags a batch with the worker that made it; t
 # index sent back, thread wake-ups), 8-15% of a core at 64-sample batches, taken from the cores the workers share.
 TRANSFER_SAMPLES = 512
 MAX_TRANSFER = 16  # batches per bundle
-# The pipe that carries finished bundles from the workers to the trainer holds this much (Linux; a pipe holds 64 KiB
-# by default, and 1 MiB is the most an unprivileged process may ask for, /proc/sys/fs/pipe-max-size). A bundle,
-# ~200 KB of SimCSE's at batch 64, does not fit a default pipe: the worker's queue thread writes part of it and
-# waits, and the trainer reads that part, then waits for the thread to be scheduled and write the next, a few ms a
-# bundle on cores the workers and the step share. In a pipe that holds it, a bundle made during a step is there whole.
-RESULT_PIPE_BYTES = 1 << 20
 
 _SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -136,20 +130,3 @@ def one_at_a_time(bundles: Iterator[list[dict]], workers: int, turn: int) -> Ite
             pending[sender].extend(batches)
             last_sender = sender
 
-
-def grow_result_pipe(batches: Iterator) -> int:
-    """Make the pipe that carries a DataLoader iterator's finished items hold ``RESULT_PIPE_BYTES``; its size after.
-    The pipe is torch's private ``_worker_result_queue`` (a ``multiprocessing.Queue``): where that or the resize is
-    missing (another torch, another OS) or refused (over the user's pipe limits), the pipe stays as it was and
-    bundles are read in parts, as before."""
-    writer = getattr(getattr(batches, "_worker_result_queue", None), "_writer", None)
-    if writer is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
-        return 0
-    try:
-        pipe = writer.fileno()
-    except OSError:  # closed: the iterator is done
-        return 0
-    try:
-        return fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, RESULT_PIPE_BYTES)
-    except OSError:
-        return fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ)

@@ -1,11 +1,12 @@
-"""How a rank's loader worker processes start, live and end.
+"""How a rank's loader worker processes start, live and end under the fast transport (``clsys.data.transport``).
 
 ``clsys.data.streaming`` decides what a loader worker reads and hands out; this module holds what makes a
 worker the process it is, apart from what it reads: which start method makes it (a forkserver, and what that
 forkserver imports once: ``worker_start``, ``forkserver_preload``), what it takes from its trainer as it begins
 (the trainer's environment, a lower scheduling priority, its imports out of the garbage collector's sight:
-``WorkerSetup``), and that it ends with its trainer, its forkserver too (``follow_trainer``). These are the
-loader's process lifecycle, which the data it reads never changes, so they live apart from it.
+``WorkerSetup``), and that it ends with its trainer (``follow_trainer``). These are the loader's process lifecycle,
+which the data it reads never changes, so they live apart from it; ``clsys.data.transport`` puts them together at a
+worker's start, with the one step that reaches a private name (the forkserver's "alive" pipe).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import threading
 import time
 import types
 from dataclasses import dataclass, field
-from multiprocessing import forkserver
 from typing import Callable
 
 # What the forkserver imports once, so that each loader worker forked from it starts in a fraction of a second
@@ -83,7 +83,7 @@ class WorkerSetup:
         return cls(dict(os.environ), LOADER_WORKER_NICENESS)
 
     def apply(self) -> None:
-        """In the loader worker, as its dataset begins to iterate."""
+        """In the loader worker, as it starts (the DataLoader's ``worker_init_fn``)."""
         if os.environ != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
@@ -113,21 +113,16 @@ def process_start(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])  # fields 3 (state) and 22 (starttime)
 
 
-def follow_trainer(trainer: int, started: int | None, worker_id: int) -> None:
-    """A loader worker's start (the DataLoader's ``worker_init_fn``): make the worker and its forkserver end with the
-    trainer, process ``trainer`` started at ``started`` (``process_start``; None: unknown, the worker does not watch).
+def follow_trainer(trainer: int, started: int | None) -> None:
+    """In a loader worker as it starts: exit it as soon as its trainer, process ``trainer`` started at ``started``
+    (``process_start``; None: unknown, the worker does not watch), is gone.
 
     Ray restarting a rank, the OOM killer and scancel past its grace period kill the trainer's process alone, and its
-    loader processes ran on: torch's watchdog in a worker watches the worker's parent, which is the forkserver, and
-    the forkserver exits once the write end of its "alive" pipe is closed in every process, but multiprocessing hands
-    each process it starts a copy (so that a worker could start processes of its own through it; ours start none).
-    So the worker closes its copy, and the forkserver ends with the trainer; and a thread exits the worker as soon
-    as the trainer is gone: at once (``os._exit``), as its batches have no reader now and an exit the usual way
-    would wait for its queue's thread, which may be blocked on a full pipe."""
-    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # None: not started by a forkserver
-    if alive is not None:
-        os.close(alive)
-        forkserver._forkserver._forkserver_alive_fd = None
+    loader processes ran on: torch's watchdog in a worker watches the worker's parent, which is the forkserver. So a
+    thread exits the worker as soon as the trainer is gone: at once (``os._exit``), as its batches have no reader now
+    and an exit the usual way would wait for its queue's thread, which may be blocked on a full pipe. The forkserver
+    ends with the trainer as well once every worker has closed its copy of the forkserver's "alive" pipe
+    (``clsys.data.transport.close_forkserver_alive_copy``)."""
     if started is None:
         return
 

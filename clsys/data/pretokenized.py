@@ -62,10 +62,10 @@ def refuse_unvouched_ids(stream: str, first: Shard) -> None:
 class SentenceBatcher:
     """``txt`` samples -> encoder inputs: from their ``ids`` when every sample has them, else by tokenizing.
     Either way exactly the tensors of ``tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-    return_tensors="pt")``, built without a Python step per token."""
+    return_tensors="pt")``, built without a Python step per token (texts: ``fast``, ``BatchTokenizer``'s)."""
 
-    def __init__(self, tokenizer, max_length: int):
-        self.encode = BatchTokenizer(tokenizer, max_length)
+    def __init__(self, tokenizer, max_length: int, fast: bool = True):
+        self.encode = BatchTokenizer(tokenizer, max_length, fast=fast)
 
     def __call__(self, samples: list[dict[str, Any]], copies: int = 1) -> dict[str, torch.Tensor]:
         """The batch of ``samples`` repeated ``copies`` times (rows [0, B) the first copy, and so on)."""

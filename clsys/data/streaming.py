@@ -40,36 +40,35 @@ starting one never draws from the training process's RNG (dropout masks).
 
 A state saved under another geometry continues its epoch as ``clsys.data.epoch_layout`` deals it (elastic resume).
 
-How the loader worker processes start, what they take from the trainer and how they end with it:
-``clsys.data.loader_workers``.
+How batches cross from the loader workers to the trainer (``data.transport``: a stock DataLoader, or the same
+batches faster) is ``clsys.data.transport``'s, and how its fast workers start, live and end
+``clsys.data.loader_workers``'s.
 """
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import itertools
 import logging
 import math
-import os
 import random
 import statistics
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from clsys import storage
 from clsys.config import Config
-from clsys.data.batch_transport import (WORKER_KEY, PackedBatch, batches_per_transfer, grow_result_pipe,
-                                        one_at_a_time, unpack)
+from clsys.data.batch_transport import WORKER_KEY
 from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
                                      round_robin_position)
-from clsys.data.loader_workers import WorkerSetup, follow_trainer, forkserver_preload, process_start, worker_start
+from clsys.data.spec import DataSpec
+from clsys.data.transport import Delivery, Transport, transport_for
 from clsys.shards.fields import stream_kind
 from clsys.shards.reader import MAX_SHARD_BYTES, ShardError, load_shards, read_shard
 
@@ -114,15 +113,14 @@ class RankStream(IterableDataset):
 
     def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
                  collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str,
-                 lengths: Callable[[list[dict]], list[int]], bundle: int):
+                 lengths: Callable[[list[dict]], list[int]], transport: Transport):
         self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
-        self.bundle = bundle  # batches sent to the trainer at once
+        self.transport = transport  # how the batches travel to the trainer
         self.length_group, self.lengths = state.segments[-1].length_group, lengths
         self.verify, self.on_bad_sample = verify, on_bad_sample
         # A copy of the position: the training process goes on changing its own.
         self.epoch, self.segment, self.rank = state.epoch, len(state.segments) - 1, state.rank
         self.shuffle_buffer, self.skip, self.rotation = state.shuffle_buffer, list(state.produced), state.next_worker
-        self.worker_setup = WorkerSetup.in_trainer()  # the trainer's environment and niceness now, for each worker
 
     def _stream(self, rank: int, worker: int, skipped: collections.Counter) -> Iterator[dict]:
         """The samples of the stream of (rank, worker): its shards through the seeded shuffle buffer."""
@@ -171,29 +169,25 @@ class RankStream(IterableDataset):
             if count < window:
                 return
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator:
+        return iter(self.transport.send(self._handed_out()))
+
+    def _handed_out(self) -> Iterator[dict]:
+        """This loader worker's collated batches past those handed out before the saved position, each tagged with its
+        keys, its faults and its worker."""
         info = get_worker_info()
-        if info is not None:
-            self.worker_setup.apply()
         worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
         piece, skip = self.layout.pieces[self.rank][worker], self.skip[worker]
         if skip >= piece.batches:
             return  # nothing left to hand out, so nothing to replay
         skipped: collections.Counter = collections.Counter()
-        made, bundle = 0, []
-        for batch in self._batches(worker, piece, skipped):
+        for made, batch in enumerate(self._batches(worker, piece, skipped)):
             seed_global_rngs(self.seed, self.epoch, self.segment, self.rank, worker, made)
             out = self.collate(batch)  # skipped batches too: collate may keep state
             if made >= skip:
                 out.update({"keys": [s["__key__"] for s in batch], "data_skipped": dict(skipped), WORKER_KEY: worker})
-                bundle.append(PackedBatch(out))  # its tensors as bytes in the pickle: shared memory costs more
-                if len(bundle) == self.bundle:
-                    yield bundle
-                    bundle = []
+                yield out
             skipped.clear()  # a skipped batch's faults were reported before the checkpoint
-            made += 1
-        if bundle:
-            yield bundle
 
 
 class ShardLoader:
@@ -204,12 +198,13 @@ class ShardLoader:
                  on_bad_sample: str = "error", length_group: int = 0,
                  lengths: Callable[[list[dict]], list[int]] = text_lengths, kind: str = "",
                  max_shard_bytes: int = MAX_SHARD_BYTES, pin_memory: bool = False, bundle: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, transport: str = "fast"):
         """``kind``: the stream kind whose json fields every sample must have (``clsys.shards.fields``);
         ``max_shard_bytes``: the most a shard's tar may take in memory (``data.max_shard_mb``); ``bundle``: batches a
-        loader worker sends at once (default ``batches_per_transfer``), which changes nothing but the transfer;
+        fast loader worker sends at once (default ``batches_per_transfer``), which changes nothing but the transfer;
         ``vocab_size``: where collate reads the samples' token ids, the tokenizer's number of ids, which they are
-        checked against (``clsys.shards.reader.Shard.ids_vocab``)."""
+        checked against (``clsys.shards.reader.Shard.ids_vocab``); ``transport``: how batches cross from the loader
+        workers (``data.transport``, ``clsys.data.transport``), which changes nothing but the crossing."""
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"data.on_bad_sample: expected {' or '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}")
         if length_group < 0:
@@ -223,11 +218,9 @@ class ShardLoader:
         # Batches in page-locked memory (the DataLoader's pinning thread), so that the step's copies to a GPU
         # are asynchronous (non_blocking) rather than staged through a pageable buffer.
         self.pin_memory = pin_memory
-        self.bundle = bundle or batches_per_transfer(micro_batch)
-        self.worker_start = worker_start(collate)
-        log.debug(f"[clsys] rank {rank} loader: {loader_workers} worker(s) started by "
-                  f"{self.worker_start.get_start_method()} (preloading {', '.join(forkserver_preload(collate))}), "
-                  f"{self.bundle} batch(es) per transfer, {'pinned' if pin_memory else 'pageable'} memory")
+        self.transport = transport_for(transport, collate, micro_batch, bundle)
+        log.debug(f"[clsys] rank {rank} loader: {loader_workers} worker(s), {self.transport}, "
+                  f"{'pinned' if pin_memory else 'pageable'} memory")
         plan_epoch(self.shards, 0, seed, ranks, loader_workers, micro_batch)  # fail at start-up, not mid-run
         self.state = self._epoch_start(0)
 
@@ -270,17 +263,31 @@ class ShardLoader:
                                      [0] * self.workers)
 
     def __iter__(self) -> Iterator[dict]:
-        """Endless: epoch after epoch, starting from the saved position. Once half of an epoch's batches are
-        handed out, the next epoch's loader workers start and read ahead (their first shards, shuffle buffers
-        and the DataLoader's prefetch), so the steps after an epoch boundary do not wait for new workers. Half,
-        not at once: a run that ends early in an epoch (most tests) starts no workers it never uses. They are
-        started from a thread: starting a worker blocks until it has unpickled the dataset (the collate's
-        tokenizer), ~0.7 s a worker in a GPU trainer, measured as a 3 s stall of every step at half-epoch
-        when the training thread started them; that thread also takes each new worker's first bundle off the pipe
-        (``SegmentReader``). The finished epoch's workers are stopped from a thread too. The next epoch's workers
-        keep ``prefetch_depth`` batches each ready besides their first (whole bundles, at least two), from this
-        epoch's step time. A run that ends between half-epoch and the read-ahead's first bundles waits for them
-        before it stops the new workers."""
+        """Endless: epoch after epoch, starting from the saved position; the fast transport reads the next epoch
+        ahead (``_epochs_read_ahead``)."""
+        return self._epochs_read_ahead() if self.transport.reads_ahead else self._epochs()
+
+    def _epochs(self) -> Iterator[dict]:
+        """Each epoch's loader workers started at its first batch and stopped after its last."""
+        while True:
+            reader = SegmentReader(self, self.state)
+            try:
+                yield from reader
+            finally:
+                reader.close()
+            self.state = self._epoch_start(self.state.epoch + 1)
+
+    def _epochs_read_ahead(self) -> Iterator[dict]:
+        """``_epochs`` under the fast transport: once half of an epoch's batches are handed out, the next epoch's
+        loader workers start and read ahead (their first shards, shuffle buffers and the DataLoader's prefetch), so
+        the steps after an epoch boundary do not wait for new workers. Half, not at once: a run that ends early in an
+        epoch (most tests) starts no workers it never uses. They are started from a thread: starting a worker blocks
+        until it has unpickled the dataset (the collate's tokenizer), ~0.7 s a worker in a GPU trainer, measured as a
+        3 s stall of every step at half-epoch when the training thread started them; that thread also takes each new
+        worker's first bundle off the pipe (``clsys.data.transport.FastDelivery``). The finished epoch's workers are
+        stopped from a thread too. The next epoch's workers keep ``prefetch_depth`` batches each ready besides their
+        first (whole bundles, at least two), from this epoch's step time. A run that ends between half-epoch and the
+        read-ahead's first bundles waits for them before it stops the new workers."""
         reader, ahead = SegmentReader(self, self.state), None
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clsys-epoch-boundary")
 
@@ -328,35 +335,18 @@ class SegmentReader:
     (and begin reading ahead) when the reader is made. Iterating updates ``state``, the loader's position."""
 
     def __init__(self, loader: ShardLoader, state: LoaderState, prefetch: int = 2):
+        """``prefetch``: batches each loader worker keeps ready, under the fast transport."""
         self.state, self.rank = state, loader.rank
         self.layout = loader.layout(state)
-        self.bundles: Iterator[list] | None = None  # what the DataLoader yields: each a list of one worker's batches
-        self.first_bundles: list[list] = []  # each worker's first, taken off the pipe as the reader is made
+        self.delivery: Delivery | None = None  # the batches of the segment's DataLoader
         self.handed_out_at: float | None = None  # when the last batch went to the trainer
         self.step_times: collections.deque[float] = collections.deque(maxlen=256)  # the recent intervals
         self.fresh = state.segments[-1].batches == 0
         if state.segments[-1].batches < self.layout.batches_per_rank:
             dataset = RankStream(self.layout, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
-                                 loader.on_bad_sample, loader.lengths, loader.bundle)
-            # Its own generator: otherwise starting the workers draws their base seed from the training
-            # process's torch RNG, and a resumed run would draw different dropout masks.
-            self.bundles = iter(DataLoader(dataset, batch_size=None, num_workers=loader.workers,
-                                           generator=torch.Generator(), pin_memory=loader.pin_memory,
-                                           prefetch_factor=max(2, math.ceil(prefetch / loader.bundle)),
-                                           multiprocessing_context=loader.worker_start,
-                                           worker_init_fn=functools.partial(follow_trainer, os.getpid(),
-                                                                            process_start(os.getpid()))))
-            grow_result_pipe(self.bundles)
-            # A reader is made on the read-ahead thread, before the boundary: there, not on the trainer's thread in
-            # the epoch's first steps, each worker's first bundle is read off the pipe and unpickled (2.4-3.5 ms of
-            # a step's wait each, two of them in the first two steps with two workers). The DataLoader hands out
-            # one item per worker in turn, so the first ``workers`` items are each worker's first (fewer: a worker
-            # had nothing to send).
-            try:
-                self.first_bundles = list(itertools.islice(self.bundles, loader.workers))
-            except BaseException:
-                self.close()  # a worker's error: it reaches the trainer at the boundary, with no worker left behind
-                raise
+                                 loader.on_bad_sample, loader.lengths, loader.transport)
+            self.delivery = loader.transport.start(dataset, loader.workers, state.next_worker, prefetch,
+                                                   loader.pin_memory)
 
     @property
     def step_seconds(self) -> float | None:
@@ -370,10 +360,9 @@ class SegmentReader:
 
     def __iter__(self) -> Iterator[dict]:
         state, current = self.state, self.state.segments[-1]
-        if self.bundles is None:
+        if self.delivery is None:
             return
-        bundles = ([unpack(b) for b in bundle] for bundle in itertools.chain(self.first_bundles, self.bundles))
-        for batch in one_at_a_time(bundles, len(state.produced), state.next_worker):
+        for batch in self.delivery:
             worker = batch.pop(WORKER_KEY)
             current.batches += 1
             state.produced[worker] += 1
@@ -390,39 +379,23 @@ class SegmentReader:
                              f"was skipped as bad (data.on_bad_sample=skip)")
 
     def close(self) -> None:
-        """Stop the workers (and free their shards) now. Left to the garbage collector, as when an exception's
-        traceback holds the iterator, its queues can go first and each worker is then waited for 5 s before
-        it is killed."""
-        if self.bundles is not None:
-            self.bundles._shutdown_workers()
-            self.bundles = None
+        """Stop the workers (and free their shards) now."""
+        if self.delivery is not None:
+            self.delivery.close()
+            self.delivery = None
 
 
-class DataSide(Protocol):
-    """What a loader's worker processes run for an objective (its ``DataSpec``, ``clsys.objectives.base``)."""
-
-    streams: list[str]
-    tokenizer: Any
-    reads_ids: bool  # whether collate uses the samples' token ids, when they have them
-
-    def collate(self, samples: list[dict]) -> dict: ...
-
-    def sample_lengths(self, samples: list[dict]) -> list[int]: ...
-
-    def combine(self, loaders: dict[str, ShardLoader]): ...
-
-
-def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSide) -> ShardLoader:
+def stream_loader(cfg: Config, stream: str, rank: int, world: int, data: DataSpec) -> ShardLoader:
     """A ``ShardLoader`` over the stream ``stream`` (``sentences``, ``clir/en-de``, …) under ``data.url``, configured
     by the ``data`` section, collating with ``data``."""
     d = cfg.data
     return ShardLoader(storage.join(d.url, stream), rank, world, cfg.micro_batch, data.collate, cfg.train.seed,
                        d.loader_workers, d.shuffle_buffer, d.verify_checksums, d.on_bad_sample, d.length_group_batches,
                        data.sample_lengths, stream_kind(stream), d.max_shard_mb << 20, pin_memory=cfg.cluster.use_gpu,
-                       vocab_size=len(data.tokenizer) if data.reads_ids else None)
+                       vocab_size=len(data.tokenizer) if data.reads_ids else None, transport=d.transport)
 
 
-def rank_loader(cfg: Config, rank: int, world: int, data: DataSide):
+def rank_loader(cfg: Config, rank: int, world: int, data: DataSpec):
     """This rank's endless batch iterator with ``state_dict``/``load_state_dict`` (its data position), built from an
     objective's data spec: a ``stream_loader`` for each of its streams, combined as it says."""
     return data.combine({stream: stream_loader(cfg, stream, rank, world, data) for stream in data.streams})

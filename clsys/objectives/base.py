@@ -1,10 +1,10 @@
 """The interface between the training engine and an objective.
 
 An objective is an ``nn.Module`` that owns everything trainable (encoder, heads) and anything frozen (teacher
-copies) and returns a ``LossOutput``; its ``data`` (a ``DataSpec``) declares which shard streams it reads and how
-samples become a batch, and is all the loader's worker processes get; its ``export_spec()`` says what export
-writes; it reaches the other ranks only through the ``ranks`` the engine hands it. The engine never knows which
-objective it runs.
+copies) and returns a ``LossOutput``; its ``data`` (a ``DataSpec``, ``clsys.data.spec``) declares which shard
+streams it reads and how samples become a batch, and is all the loader's worker processes get; its
+``export_spec()`` says what export writes; it reaches the other ranks only through the ``ranks`` the engine hands
+it. The engine never knows which objective it runs.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from clsys.config import Config, ObjectiveConfig, check_closed_sets
+from clsys.data.spec import DataSpec
 from clsys.model import packing
 from clsys.model.folder import ExportSpec
 from clsys.objectives.ranks import ONE_PROCESS, Ranks
@@ -40,36 +41,6 @@ def add_row_loss(out: LossOutput, row_loss: LossOutput | None) -> LossOutput:
     if row_loss is None:
         return out
     return add_losses(out, LossOutput(row_loss.loss, {**row_loss.metrics, "contrastive_loss": out.loss.detach()}))
-
-
-class DataSpec:
-    """An objective's data side: the shard streams it reads, how samples become a batch (``collate``) and how long
-    each sample is (``sample_lengths``, the sort key of length-grouped batches). The loader's worker processes run
-    it, pickled to them (``clsys.data.streaming.rank_loader`` builds the loader from it), so it holds configuration,
-    tokenizer, masker and collate state only: no tensors, modules or training state."""
-
-    def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
-        """``streams`` and ``reads_ids``: the objective's (``Objective.streams``, ``Objective.reads_ids``)."""
-        self.cfg, self.tokenizer, self.streams, self.reads_ids = cfg, tokenizer, streams, reads_ids
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Decoded shard samples (``txt``/``json`` fields, ``ids`` if pre-tokenized) → model inputs."""
-        raise NotImplementedError
-
-    def sample_lengths(self, samples: list[dict[str, Any]]) -> list[int]:
-        """Tokens of each sample's ``txt``. Characters are a poor proxy: a batch's padding follows its longest row,
-        and tokens per character vary several-fold across scripts, numbers and rare words."""
-        if self.reads_ids and all("ids" in s for s in samples):
-            # Pre-tokenized by the training tokenizer (checked at start-up); cut at max_tokens, which is at
-            # least what collate keeps, so longer rows pad alike anyway.
-            return [len(s["ids"]) for s in samples]
-        return [len(ids) for ids in self.tokenizer([s["txt"] for s in samples], add_special_tokens=False)["input_ids"]]
-
-    def combine(self, loaders: dict[str, Any]):
-        """This rank's batch iterator from one loader per stream (``streams``' keys, in order): the one loader.
-        A spec that mixes streams returns their schedule."""
-        (loader,) = loaders.values()
-        return loader
 
 
 class Objective(nn.Module):

@@ -50,10 +50,12 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 
 
 
@@ -128,7 +130,8 @@ class CLIRData(DataSpec):
         super().__init__(cfg, tokenizer, streams, reads_ids)
         self.oc: CLIRConfig = cfg.objective
         self.masker = Masker.for_tokenizer(tokenizer, self.oc.mask_probability, bernoulli=True)
-        self.keep_texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=True)  # e₀'s single texts
+        self.keep_texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=True,
+                                         fast=uses_fast_path(cfg.data.transport))  # e₀'s single texts
         self.pools: dict[str, collections.deque] = collections.defaultdict(  # picklable: loader workers get it
             functools.partial(collections.deque, maxlen=self.oc.random_pool))
 

@@ -51,10 +51,12 @@ from torch import nn
 from clsys import storage
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.data.mixing import mix_sources, source_streams
 from clsys.model.encoder import Pooling, build_encoder, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 from clsys.objectives.ranks import Ranks
 from clsys.shards.manifest import MANIFEST
@@ -108,7 +110,7 @@ class PairsData(DataSpec):
     def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
         super().__init__(cfg, tokenizer, streams, reads_ids)
         self.oc: PairsConfig = cfg.objective
-        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, fast=uses_fast_path(cfg.data.transport))
 
     def combine(self, loaders: dict[str, Any]):
         """The sources' batches in ``data.sources``' schedule, each tagged with its stream (``mix_sources``)."""

@@ -38,9 +38,11 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.pretokenized import SentenceBatcher
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.model.encoder import build_encoder, pool
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective, add_losses
+from clsys.objectives.base import LossOutput, Objective, add_losses
 from clsys.objectives.contrastive import cosine_logits, info_nce
 from clsys.objectives.ranks import ONE_PROCESS, Ranks
 
@@ -137,7 +139,7 @@ class SelfGuidedData(DataSpec):
 
     def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
         super().__init__(cfg, tokenizer, streams, reads_ids)
-        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length, fast=uses_fast_path(cfg.data.transport))
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return self.sentences(samples)

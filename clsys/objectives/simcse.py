@@ -22,10 +22,12 @@ from torch import nn
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.data.pretokenized import SentenceBatcher
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.model.encoder import Pooling, build_encoder, build_masked_lm, pool
 from clsys.model.folder import ExportSpec
 from clsys.model.loading import POOLER_MODEL_TYPES
-from clsys.objectives.base import DataSpec, LossOutput, Objective, add_row_loss
+from clsys.objectives.base import LossOutput, Objective, add_row_loss
 from clsys.objectives.contrastive import alignment_uniformity, info_nce
 from clsys.objectives.ranks import ONE_PROCESS
 
@@ -69,7 +71,7 @@ class SimCSEData(DataSpec):
         super().__init__(cfg, tokenizer, streams, reads_ids)
         oc: SimCSEConfig = cfg.objective
         self.supervised = oc.supervised
-        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length)
+        self.sentences = SentenceBatcher(tokenizer, cfg.data.max_length, fast=uses_fast_path(cfg.data.transport))
         self.masker = Masker.for_tokenizer(tokenizer, oc.mlm_probability, cap=cfg.data.max_length) \
             if oc.mlm_weight else None
 

@@ -28,10 +28,12 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.data.masking import Masker, masked_lm_loss
 from clsys.model.encoder import Pooling, build_bert_pretraining, build_masked_lm
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 from clsys.objectives.contrastive import cosine_logits
 
 
@@ -103,7 +105,8 @@ class TaCLData(DataSpec):
         super().__init__(cfg, tokenizer, streams, reads_ids)
         self.oc: TaCLConfig = cfg.objective
         self.masker = Masker.for_tokenizer(tokenizer, self.oc.mask_probability, self.oc.mask_cap)
-        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, pad_to_max_length=self.oc.pad_negatives)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, pad_to_max_length=self.oc.pad_negatives,
+                                    fast=uses_fast_path(cfg.data.transport))
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         extra = {}

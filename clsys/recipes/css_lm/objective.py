@@ -52,10 +52,12 @@ from torch import nn
 
 from clsys.config import Config, ObjectiveConfig
 from clsys.data.batch_tokenizer import BatchTokenizer
+from clsys.data.spec import DataSpec
+from clsys.data.transport import uses_fast_path
 from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
 from clsys.model.folder import ExportSpec
-from clsys.objectives.base import DataSpec, LossOutput, Objective
+from clsys.objectives.base import LossOutput, Objective
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, two_views)
 
@@ -92,7 +94,8 @@ class CSSLMData(DataSpec):
 
     def __init__(self, cfg: Config, tokenizer, streams: list[str], reads_ids: bool):
         super().__init__(cfg, tokenizer, streams, reads_ids)
-        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=False)
+        self.texts = BatchTokenizer(tokenizer, cfg.data.max_length, token_type_ids=False,
+                                    fast=uses_fast_path(cfg.data.transport))
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         corpus = self.texts([s["txt"] for s in samples])

@@ -184,7 +184,7 @@ class Worker:
             corpus = iter(ShardLoader(self.corpus, self.rank, self.world, micro * cfg.objective.domain_negatives,
                                       objective.data.collate, cfg.train.seed, d.loader_workers,
                                       d.shuffle_buffer, d.verify_checksums, d.on_bad_sample,
-                                      kind="sentences", max_shard_bytes=d.max_shard_mb << 20))
+                                      kind="sentences", max_shard_bytes=d.max_shard_mb << 20, transport=d.transport))
         epochs = cfg.train.steps // math.ceil(len(self.task.train) / cfg.train.batch_size)
         history, best, best_state = [], None, None
         started, first_step = time.perf_counter(), self.step
