@@ -52,8 +52,9 @@ MODEL = "all-MiniLM-L6-v2"
 SAMPLES = REPO / "data_prep" / "samples"
 
 
-def write_sources(out: Path) -> str:
-    """The two sources as JSON lines of one hard negative a pair, then ``data_prep pairs`` over them: the data root."""
+def write_sources(out: Path, name: str = "pairs-bench", shard_mb: float = 64.0) -> str:
+    """The two sources as JSON lines of one hard negative a pair, then ``data_prep pairs`` over them into
+    ``out/shards/<name>`` with shards of ``shard_mb``: the data root."""
     import pyarrow.parquet as pq
 
     inputs = out / "inputs"
@@ -66,10 +67,10 @@ def write_sources(out: Path) -> str:
         with open(inputs / f"{source}.jsonl", "w", encoding="utf-8") as f:
             for query, positive, negative in triplets:
                 f.write(json.dumps({"query": query, "positive": positive, "negatives": [negative]}) + "\n")
-    root = out / "shards" / "pairs-bench"
+    root = out / "shards" / name
     subprocess.run(["rm", "-rf", str(root)], check=True)
     run("-m", "data_prep", "pairs", "--input", str(inputs / "nli.jsonl"), str(inputs / "xquad.jsonl"),
-        "--out", str(root))
+        "--out", str(root), "--shard-size-mb", str(shard_mb))
     return str(root)
 
 
@@ -140,7 +141,8 @@ def sentence_transformers_pairs(records: dict[str, tuple[str, str, str]], batche
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=6, help="runs per arm, seeds --first-seed, +1, ...")
+    parser.add_argument("--seeds", type=int, default=6,
+                        help="runs per arm, seeds --first-seed, +1, ... (0: the 2-worker run alone)")
     parser.add_argument("--first-seed", type=int, default=42)
     parser.add_argument("--steps", type=int, default=24, help="steps of the batch that fits")
     parser.add_argument("--batch", type=int, default=16, help="pairs a step in the batch that fits")
@@ -163,10 +165,11 @@ def main() -> None:
         settings.append((f"GradCache {args.cache_factor}x", big, max(1, args.steps // args.cache_factor), args.batch))
     arms: dict[str, list[tuple[float, float, float]]] = {}  # arm → (nDCG@10, STS-B, s/step) per seed
 
-    def clsys_run(name: str, seed: int, batch: int, steps: int, chunk: int, *extra: str) -> tuple[object, str]:
+    def clsys_run(name: str, seed: int, batch: int, steps: int, chunk: int, *extra: str,
+                  data: str = root) -> tuple[object, str]:
         run_name = f"bench-pairs-{name}-{seed}"
         subprocess.run(["rm", "-rf", str(out / run_name)], check=True)
-        overrides = [f"data.url={root}", f"train.name={run_name}", f"train.run_root={out}", f"train.seed={seed}",
+        overrides = [f"data.url={data}", f"train.name={run_name}", f"train.run_root={out}", f"train.seed={seed}",
                      f"train.steps={steps}", f"train.batch_size={batch}", f"optim.warmup_steps={steps // 10}",
                      f"train.ckpt_every={steps}", f"train.log_every={max(1, steps // 8)}", "train.log_sample_keys=true",
                      "eval.sts_dev=", "objective.negatives=1",
@@ -190,8 +193,10 @@ def main() -> None:
 
     two_workers = ""
     if not args.no_two_workers:
-        cfg, run_dir = clsys_run("2workers", seeds[0], args.batch, args.steps, 0, "cluster.num_workers=2",
-                                 "cluster.cpus_per_worker=1")
+        # Two ranks read a stream's shards apart: each source in shards of 0.25 MB (one shard each above).
+        several = write_sources(out, "pairs-bench-2workers", shard_mb=0.25)
+        cfg, run_dir = clsys_run("2workers", args.first_seed, args.batch, args.steps, 0, "cluster.num_workers=2",
+                                 "cluster.cpus_per_worker=1", data=several)
         two_workers = f"{args.batch / step_time(run_dir, skip=1):.1f} pairs/s"
 
     base_ndcg, base_sts = scores(MODEL)
@@ -215,8 +220,8 @@ def main() -> None:
         speed = statistics.mean(b[2] for b in arms[st_arm]) / statistics.mean(a[2] for a in arms[clsys_arm])
         print(f"{clsys_arm}: speed {speed:.2f}x sentence-transformers' (its s/step over clsys's)")
     if two_workers:
-        one = args.batch / statistics.mean(r[2] for r in arms[names[0]])
-        print(f"clsys pairs, batch {args.batch}: 1 worker {one:.1f} pairs/s, 2 workers (1 CPU each) {two_workers}")
+        one = f"1 worker {args.batch / statistics.mean(r[2] for r in arms[names[0]]):.1f} pairs/s, " if names else ""
+        print(f"clsys pairs, batch {args.batch}: {one}2 workers (1 CPU each) {two_workers}")
 
 
 if __name__ == "__main__":
