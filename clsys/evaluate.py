@@ -38,7 +38,8 @@ from clsys.eval.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, eval
                              load_tatoeba, parse_articles, xquad_pair)
 from clsys.eval.sts_data import StsSet, bundled_sts, read_sts
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m clsys.evaluate` this module is __main__, outside the clsys hierarchy.
+log = logging.getLogger("clsys.evaluate")
 
 
 def _xling_pair(spec: str) -> tuple[str, str]:

@@ -55,7 +55,8 @@ from clsys.shards.reader import COMPRESSED, Shard, ShardError, load_shards, read
 from clsys.shards.writer import ShardWriter
 from clsys.storage import StorageError
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m clsys.mine` this module is __main__, outside the clsys hierarchy.
+log = logging.getLogger("clsys.mine")
 
 PROG = "clsys.mine"
 # Non-secret settings the workers need; credentials come from each worker's own environment or role, never

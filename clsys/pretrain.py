@@ -32,7 +32,8 @@ from clsys.storage.lease import Lease
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers
 from clsys.recipes import HOMES, load_config
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m clsys.pretrain` this module is __main__, outside the clsys hierarchy.
+log = logging.getLogger("clsys.pretrain")
 
 SEEDED = [name for name, home in HOMES.items() if home.runs_seeds]  # recipes that take --repeats N > 1
 

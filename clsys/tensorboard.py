@@ -26,7 +26,8 @@ import time
 from clsys import logs, storage
 from clsys.metrics.event_sync import LOG_FOLDER
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m clsys.tensorboard` this module is __main__, outside the clsys hierarchy.
+log = logging.getLogger("clsys.tensorboard")
 
 def _log_objects(url: str) -> dict[str, tuple[str, int]]:
     """Event objects to serve: local relative path -> (object URL, size).

@@ -193,7 +193,7 @@ def test_a_failed_workers_error_is_printed_without_its_urls_secrets(refusing_htt
         except FileNotFoundError as err:
             failures[rank] = UserExceptionWithTraceback(err, traceback.format_exc())
     FailureReport().after_exception(None, failures)
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err  # an error record: stderr
     assert printed.count("failed: FileNotFoundError: ") == 4 and f"http://***@{refusing_http}/dumps/" in printed
     assert_no_secret(printed)
 
