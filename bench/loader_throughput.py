@@ -8,7 +8,9 @@ sha256 checks, tar streaming, shuffle buffer, and tokenisation by the objective'
 DataLoader worker processes), here for unsupervised SimCSE on all-MiniLM-L6-v2 over the bundled
 Wikipedia sample's sentence shards (written by ``data_prep wiki`` if missing), once from the local
 folder, once from a moto S3 server started on 127.0.0.1 (shards uploaded first) and once from the
-local folder pre-tokenized by ``data_prep tokenize``, each with 1 and 2 loader workers. Its rate is
+local folder pre-tokenized by ``data_prep tokenize``, each with 1 and 2 loader workers, under
+``data.transport`` fast (what training runs by default) and plain (a stock DataLoader and the tokenizer's own
+call: what the loader's speed tricks are worth). Its rate is
 samples/s over --batches batches after the first (the first batch, start-up included, is reported apart).
 Consumption: one rank's SimCSE training steps (forward of both views, backward, AdamW) on the same
 batches in this process, samples/s over --steps steps after one warm-up step.
@@ -40,6 +42,7 @@ import torch  # noqa: E402
 from clsys import storage  # noqa: E402
 from clsys.recipes import OBJECTIVES, load_config  # noqa: E402
 from clsys.data.streaming import ShardLoader  # noqa: E402
+from clsys.data.transport import TRANSPORTS  # noqa: E402
 from clsys.model.encoder import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -67,11 +70,12 @@ def moto_server() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def loader_rate(url: str, objective, args, workers: int) -> tuple[float, float, float | None, float]:
+def loader_rate(url: str, objective, args, workers: int, transport: str) -> tuple[float, float, float | None, float]:
     """(seconds to the first batch, samples/s over the next --batches batches, the machine's busy CPU ms per
     batch over them (None off Linux), the trainer process's CPU ms per batch: receiving and unpacking)."""
     # What training hands the loader's worker processes: the objective's data spec.
-    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=workers)
+    loader = ShardLoader(url, 0, 1, args.batch, objective.data.collate, seed=0, loader_workers=workers,
+                         transport=transport)
     start = time.perf_counter()
     batches = iter(loader)
     next(batches)
@@ -128,9 +132,16 @@ def main() -> None:
 
     shards = sample_shards()
     local = f"file://{shards / 'sentences'}"
-    cfg = load_config("quickstart", [f"data.max_length={args.max_length}", "model.dropout=0.1"])
-    torch.manual_seed(0)
-    objective = OBJECTIVES["simcse"](cfg, load_tokenizer(cfg.model.name))
+    # The collate follows data.transport too: the tokenizer's own call under plain.
+    configs = {transport: load_config("quickstart", [f"data.max_length={args.max_length}", "model.dropout=0.1",
+                                                     f"data.transport={transport}"]) for transport in TRANSPORTS}
+    cfg = configs["fast"]
+    tokenizer = load_tokenizer(cfg.model.name)
+    objectives = {}
+    for transport in TRANSPORTS:
+        torch.manual_seed(0)
+        objectives[transport] = OBJECTIVES["simcse"](configs[transport], tokenizer)
+    objective = objectives["fast"]
 
     proc, endpoint = moto_server()
     try:
@@ -149,7 +160,9 @@ def main() -> None:
         for source, url in (("file://", local), (f"s3 ({endpoint})", remote),
                             ("file://, pre-tokenized", f"file://{tokenized}")):
             for workers in (1, 2):
-                rows.append((source, workers, *loader_rate(url, objective, args, workers)))
+                for transport in TRANSPORTS:
+                    rows.append((source, workers, transport,
+                                 *loader_rate(url, objectives[transport], args, workers, transport)))
         consumption, padding = training_rate(local, objective, args, 0)
         grouped, grouped_padding = training_rate(local, objective, args, args.length_group)
     finally:
@@ -160,24 +173,27 @@ def main() -> None:
           f"threads; training step: {consumption:.1f} samples/s ({args.batch / consumption:.2f} s/step, "
           f"{padding:.1%} padding); grouped by length in windows of {args.length_group} batches: "
           f"{grouped:.1f} samples/s ({grouped_padding:.1%} padding); loader: {settings}")
-    print(f"{'source':<30} {'workers':>7} {'first batch s':>13} {'samples/s':>10} {'× training':>10} "
+    print(f"{'source':<30} {'workers':>7} {'transport':>9} {'first batch s':>13} {'samples/s':>10} {'× training':>10} "
           f"{'CPU ms/batch':>12} {'trainer ms':>10}")
-    for source, workers, first, rate, machine, trainer in rows:
+    for source, workers, transport, first, rate, machine, trainer in rows:
         cpu = f"{machine:12.2f}" if machine is not None else f"{'n/a':>12}"
-        print(f"{source:<30} {workers:>7} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f} {cpu} "
+        print(f"{source:<30} {workers:>7} {transport:>9} {first:>13.2f} {rate:>10.0f} {rate / consumption:>10.1f} {cpu} "
               f"{trainer:>10.2f}")
     print("(CPU ms/batch: every process of the machine, workers and trainer; trainer ms: its share, receiving "
           "and unpacking)\n")
-    for source, workers, _, rate, _, _ in rows:
+    by_way = {(source, workers, transport): (rate, machine) for source, workers, transport, _, rate, machine, _ in rows}
+    for source, workers, transport, _, rate, _, _ in rows:
         name = "s3" if source.startswith("s3") else "tokenized" if "tokenized" in source else "file"
-        print(f"ratio loader_{name}_{workers}w_over_training {rate / consumption:.2f}")
+        plain = "_plain" if transport == "plain" else ""
+        print(f"ratio loader_{name}_{workers}w{plain}_over_training {rate / consumption:.2f}")
+        if transport == "fast":
+            print(f"ratio loader_{name}_{workers}w_fast_over_plain {rate / by_way[(source, workers, 'plain')][0]:.2f}")
     print(f"ratio training_length_grouped_over_plain {grouped / consumption:.2f}")
     # Issue 40's targets for one loader worker (samples/s, max length 32): tokenizing >= 15,000, pre-tokenized
     # >= 40,000; and workers that scale with the cores they get (2 workers >= 1.8x one on 2 cores).
-    by_way = {(source, workers): (rate, machine) for source, workers, _, rate, machine, _ in rows}
     cores = os.cpu_count() or 1
     for name, source, target in (("file", "file://", 15_000), ("tokenized", "file://, pre-tokenized", 40_000)):
-        (one, one_cpu), (two, two_cpu) = by_way[(source, 1)], by_way[(source, 2)]
+        (one, one_cpu), (two, two_cpu) = by_way[(source, 1, "fast")], by_way[(source, 2, "fast")]
         print(f"ratio loader_{name}_1w_over_target {one / target:.2f}")
         print(f"ratio loader_{name}_2w_over_1w {two / one:.2f}")
         if one_cpu is not None:

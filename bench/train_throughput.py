@@ -17,7 +17,8 @@ batch, max length, lr (3e-5, AdamW, grad clip 1.0), CLS pooling, τ 0.05 and num
       --length-group): the same sentences per step, less padding (an option the other ways lack;
       reported apart from the targets). Its batch lengths vary within each window of K steps, so it is
       timed over whole windows: K untimed steps, then the windows that --steps covers, rounded up,
-      logged every K steps.
+      logged every K steps; and with 1 and 2 workers under ``data.transport=plain`` (a stock DataLoader and
+      the tokenizer's own call: the loader's speed tricks off), reported apart from the targets.
 Every row above computes in fp32 (``train.precision=fp32``). On a CPU with bf16 matrix units, four
 more rows, apart from the targets: (a) under ``torch.autocast`` bf16, clsys with 1 and 2 workers at
 ``train.precision=auto`` (what the quickstart ships: bf16 autocast there, fp32 weights and AdamW), and
@@ -109,24 +110,25 @@ RATIOS = [("clsys_1w_over_sentence_transformers", "1w", "st"), ("clsys_1w_over_b
           ("clsys_1w_grouped_over_bare", "1w_grouped", "bare"),
           ("clsys_1w_bf16_over_bare_bf16", "1w_bf16", "bare_bf16"), ("clsys_1w_bf16_over_bare", "1w_bf16", "bare"),
           ("clsys_2w_bf16_over_bare", "2w_bf16", "bare"), ("clsys_1w_bf16_over_sentence_transformers", "1w_bf16", "st"),
-          ("clsys_2w_bf16_logging_every_step_over_every_5", "2w_bf16_log1", "2w_bf16")]
+          ("clsys_2w_bf16_logging_every_step_over_every_5", "2w_bf16_log1", "2w_bf16"),
+          ("clsys_1w_fast_over_plain_transport", "1w", "1w_plain"), ("clsys_2w_fast_over_plain_transport", "2w", "2w_plain")]
 
 
 def clsys_run(workers: int, steps: int, batch: int, max_length: int, warmup: int, out: str,
               length_group: int = 0, packed: bool = True, precision: str = "fp32",
-              profile: bool = False, log_every: int = 0) -> tuple[float, dict]:
+              profile: bool = False, log_every: int = 0, transport: str = "fast") -> tuple[float, dict]:
     """Seconds per step of a clsys run: the mean of its logged intervals (every ``log_every`` steps,
     default ``warmup``) after the first ``warmup`` steps; and with ``profile``, its seconds per step by
     phase (means of the same intervals)."""
     log_every = log_every or warmup
-    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}-{precision}-log{log_every}"
+    name = f"simcse-{workers}w-k{length_group}-{'packed' if packed else 'padded'}-{precision}-log{log_every}-{transport}"
     subprocess.run([sys.executable, "-m", "clsys.pretrain", "--config", "quickstart", f"data.url={SHARDS}",
                     f"train.run_root={out}", f"train.name={name}", f"train.steps={steps}", f"train.batch_size={batch}",
                     f"data.max_length={max_length}", "optim.lr=3e-5", "optim.warmup_steps=0", "model.dropout=0.1",
                     f"train.log_every={log_every}", f"train.ckpt_every={steps}", "eval.sts_dev=", "eval.sts_test=",
                     f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={max(1, (os.cpu_count() or 2) // workers)}",
                     f"data.length_group_batches={length_group}", f"model.packed={str(packed).lower()}",
-                    f"train.precision={precision}",
+                    f"train.precision={precision}", f"data.transport={transport}",
                     f"train.profile={str(profile).lower()}"],
                    cwd=REPO, check=True)
     run = os.path.join(out, name)
@@ -165,6 +167,7 @@ def main() -> None:
               "1w": "clsys, Ray + DeepSpeed, 1 worker", "2w": "clsys, Ray + DeepSpeed, 2 workers",
               "1w_padded": "clsys, 1 worker, padded (packed=false)",
               "1w_grouped": f"clsys, 1 worker, length-grouped (K={k})",
+              "1w_plain": "clsys, 1 worker, data.transport=plain", "2w_plain": "clsys, 2 workers, data.transport=plain",
               "bare_bf16": "bare PyTorch loop, bf16 autocast", "1w_bf16": "clsys, 1 worker, bf16 (precision=auto)",
               "2w_bf16": "clsys, 2 workers, bf16 (precision=auto)",
               "2w_bf16_log1": "clsys, 2 workers, bf16, logging every step"}
@@ -179,6 +182,8 @@ def main() -> None:
     same = dict(steps=total, batch=args.batch, max_length=args.max_length, warmup=args.warmup, out=out)
     clsys_rows = {"1w": dict(workers=1, **same), "2w": dict(workers=2, **same),
                   "1w_padded": dict(workers=1, packed=False, **same),
+                  # The loader's speed tricks off (a stock DataLoader, the tokenizer's own call): what they are worth.
+                  "1w_plain": dict(workers=1, transport="plain", **same), "2w_plain": dict(workers=2, transport="plain", **same),
                   "1w_grouped": dict(same, workers=1, steps=k * (1 + -(-args.steps // k)), warmup=k, length_group=k)}
     # Apart from the targets (other arithmetic than the rows above): bf16 autocast, which the quickstart's
     # train.precision: auto picks on a CPU with bf16 matrix units, against a bare loop that autocasts too.
