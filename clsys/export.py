@@ -16,8 +16,6 @@ whole, its SHA256SUMS sealed in its COMPLETE.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -25,13 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from clsys import logs, storage
 from clsys.storage import integrity
 from clsys.storage.integrity import SUMS
-from clsys.engine.checkpoint import (REQUIRED_FILES, checked_state, latest_checkpoint, listed_apart,
-                                     missing_rank_files, weights_only_loads)
+from clsys.engine.checkpoint import (REQUIRED_FILES, checked_state, checkpoint_weights, latest_checkpoint,
+                                     listed_apart, missing_rank_files)
 from clsys.engine.selection import BEST_RECORD, read_best
 from clsys.model.folder import (COUNT, INTEGER, NUMBER, POSITIVE, RECORD, TEXT, CheckpointError, ExportSpec,
                                 check_replaceable, checked_record, publish, source_max_seq_length, write_model,
@@ -64,23 +60,6 @@ def choose_checkpoint(checkpoint: str, run: str | None = None) -> tuple[str, str
     if latest is None:
         raise FileNotFoundError(f"{base}: neither a complete checkpoint nor a run folder with one")
     return latest, "latest" if explicit else "latest (no best checkpoint recorded)"
-
-
-def checkpoint_weights(folder: str, url: str | None = None) -> dict[str, torch.Tensor]:
-    """The fp32 weights of the objective in a downloaded checkpoint ``folder`` (of ``url``, which errors
-    name): gathered from the ZeRO partitions (stages 1-3), or, at ZeRO stage 0, which writes no partitions,
-    the module's own state. A file that holds more than weights is refused (``weights_only_loads``)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    ds = os.path.join(folder, "ds")
-    with weights_only_loads(folder, url or folder):
-        if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
-            # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
-            # nothing the export's own line does not; errors still raise.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
-        saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu")
-    return {name: tensor.float() for name, tensor in saved["module"].items()}
 
 
 # The fields of clsys_state.json that export reads beyond resume's (clsys.engine.checkpoint.checked_state;

@@ -1,7 +1,8 @@
 """The CSS-LM recipe end to end (``python -m clsys.pretrain --config css_lm``): epoch batching, the
 stage configs, the bank's corpus slices, driver errors; then real runs through Ray Train and
-DeepSpeed ZeRO-2 on a tiny BERT: 2 workers with 2 seeds on S3, 1 worker with stage-level resume,
-and the plain fine-tuning baseline; the exported classifier reproduces the reported accuracy."""
+DeepSpeed on a tiny BERT, each stage a run of the step loop's Trainer: 2 workers at ZeRO-2 with 2 seeds
+on S3, 1 worker at ZeRO stage 0 resuming by stage and within one, and the plain fine-tuning baseline;
+the exported classifier reproduces the reported accuracy."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ import pytest
 from clsys import storage
 from clsys.recipes import load_config
 from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
-from clsys.recipes.css_lm.pipeline import epoch_rows, stage_config
+from clsys.recipes.css_lm.pipeline import stage_config
+from clsys.recipes.css_lm.stage import epoch_rows
 from clsys.model.encoder import load_tokenizer
 from clsys.pretrain import main as pretrain_main
 from clsys.recipes.css_lm.bank import load_all
@@ -154,7 +156,8 @@ def test_two_workers_two_seeds_on_s3(s3_bucket, tiny, small_task, tmp_path):
     corpus = f"{s3_bucket}/corpus"
     assert run("-m", "data_prep", "wiki", "--input", str(SAMPLE[0]), "--out", corpus, "--shard-size-mb", "0.5").returncode == 0
     runs = f"{s3_bucket}/runs"
-    proc = run(*tiny_run(tiny, small_task, corpus, runs, "cluster.num_workers=2", "train.name=two", "--repeats", "2"))
+    proc = run(*tiny_run(tiny, small_task, corpus, runs, "cluster.num_workers=2", "train.name=two",
+                         "train.zero_stage=2", "--repeats", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = storage.read_json(f"{runs}/two/summary.json")
     tests = [s["test_accuracy"] for s in summary["seeds"]]
@@ -172,8 +175,9 @@ def test_two_workers_two_seeds_on_s3(s3_bucket, tiny, small_task, tmp_path):
         assert bank.texts == expected and tuple(bank.u.shape) == (120, 32)
         assert [o for o in storage.list_prefix(f"{run_url}/bank") if o.endswith(".json")] == [
             f"{run_url}/bank/shard-00000-of-00002.json", f"{run_url}/bank/shard-00001-of-00002.json"]
-    # TensorBoard events are written locally on rank 0 and synced to the run on S3.
-    assert any("tfevents" in o for o in storage.list_prefix(f"{runs}/two/seed-42/tensorboard"))
+    # TensorBoard events are written locally on rank 0 and synced to each stage's run on S3.
+    for stage in ("warmup", "css"):
+        assert any("tfevents" in o for o in storage.list_prefix(f"{runs}/two/seed-42/{stage}/tensorboard"))
 
 
 @pytest.mark.slow
@@ -188,18 +192,26 @@ def test_one_worker_resumes_by_stage(tiny, small_task, corpus, tmp_path):
     assert first.stdout.count("bank re-encoded with the current model") == 3
     run_dir = tmp_path / "one"
     result = check_seed_run(str(run_dir), small_task["test"])
-    scalars = tensorboard_scalars(str(run_dir / "tensorboard"))
-    assert len(scalars["eval/dev_accuracy"]) == 4 and "train_css/dc_out" in scalars and "train_warmup/d_init" in scalars
+    warmup, css = (tensorboard_scalars(str(run_dir / stage / "tensorboard")) for stage in ("warmup", "css"))
+    # Each stage evaluates at step 0 and after each of its 2 epochs.
+    assert len(warmup["eval/dev_accuracy"]) == len(css["eval/dev_accuracy"]) == 3
+    assert "train/d_init" in warmup and "train/dc_out" in css
+    # Only each stage's best checkpoint is kept once the stage is complete.
+    for stage in ("warmup", "css"):
+        best = storage.read_json(str(run_dir / stage / "best.json"))
+        assert [p.name for p in (run_dir / stage / "checkpoints").iterdir()] == [best["checkpoint"].rpartition("/")[2]]
 
     again = run(*common)  # a fresh run must not overwrite a finished one
     assert again.returncode == 2 and "already exists: pass --resume latest" in again.stderr
 
-    # Lose stage C and the outcome: --resume latest keeps stage A and the bank and redoes stage C.
+    # Lose stage C's and the seed's outcome: --resume latest keeps stage A and the bank, and resumes stage C from
+    # the checkpoint it kept, as the step loop resumes; the epochs before it come back from the checkpoint.
     for name in ("result.json", "css/result.json"):
         (run_dir / name).unlink()
     resumed = run(*common, "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stage A: complete" in resumed.stdout and "stage B: the bank" in resumed.stdout and "reused" in resumed.stdout
+    assert re.search(r"resumed from \S+/css/checkpoints/step-\d+ at step \d+", resumed.stdout)
     assert check_seed_run(str(run_dir), small_task["test"])["warmup"] == result["warmup"]
 
     done = run(*common, "--resume", "latest")
@@ -210,9 +222,19 @@ def test_one_worker_resumes_by_stage(tiny, small_task, corpus, tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("shared_ray")
 def test_plain_finetuning_baseline(tiny, small_task, corpus, tmp_path):
-    proc = run(*tiny_run(tiny, small_task, corpus, str(tmp_path), "cluster.num_workers=1", "train.name=ft",
-                         "objective.method=finetune", "corpus.url="))  # the baseline needs no corpus
+    common = tiny_run(tiny, small_task, corpus, str(tmp_path), "cluster.num_workers=1", "train.name=ft",
+                      "objective.method=finetune", "corpus.url=", "cluster.stop_poll_s=0.05")  # no corpus needed
+    # A stop request in the stage's folder: the stage checkpoints and stops, and nothing is marked complete.
+    stop = tmp_path / "ft" / "warmup" / "STOP"
+    stop.parent.mkdir(parents=True)
+    stop.write_text("operator")
+    stopped = run(*common, "--resume", "latest")
+    assert stopped.returncode == 75 and "stopped before its end" in stopped.stderr, stopped.stderr[-3000:]
+    assert not (tmp_path / "ft" / "warmup" / "result.json").exists()
+    stop.unlink()
+    proc = run(*common, "--resume", "latest")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"resumed from \S+/warmup/checkpoints/step-\d+ at step [1-5]\b", proc.stdout)
     check_seed_run(str(tmp_path / "ft"), small_task["test"], stages=("warmup",))
     assert not (tmp_path / "ft" / "bank").exists() and not (tmp_path / "ft" / "css").exists()
-    assert "train_warmup/d_init" not in tensorboard_scalars(str(tmp_path / "ft" / "tensorboard"))
+    assert "train/d_init" not in tensorboard_scalars(str(tmp_path / "ft" / "warmup" / "tensorboard"))

@@ -375,7 +375,7 @@ def test_deepspeed_checkpoint_loads_never_run_code_from_the_files(tmp_path):
     import torch
 
     from clsys.engine.checkpoint import CheckpointError
-    from clsys.export import checkpoint_weights
+    from clsys.engine.checkpoint import checkpoint_weights
 
     marker = tmp_path / "pwned"
     ds = tmp_path / "ckpt" / "ds"

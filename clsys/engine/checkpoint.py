@@ -32,6 +32,7 @@ position is remapped by the loader (``clsys.data.streaming``).
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
 import os
@@ -96,6 +97,23 @@ def weights_only_loads(local: str = "", url: str = ""):
             yield
     finally:
         torch.load = real_load
+
+
+def checkpoint_weights(folder: str, url: str | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the objective in a downloaded checkpoint ``folder`` (of ``url``, which errors
+    name): gathered from the ZeRO partitions (stages 1-3), or, at ZeRO stage 0, which writes no partitions,
+    the module's own state. A file that holds more than weights is refused (``weights_only_loads``)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds = os.path.join(folder, "ds")
+    with weights_only_loads(folder, url or folder):
+        if any(name.endswith("optim_states.pt") for name in os.listdir(ds)):
+            # Its progress prints and bars ("Processing zero checkpoint", "Loading checkpoint shards", ...) say
+            # nothing the export's own line does not; errors still raise.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
+        saved = torch.load(os.path.join(ds, "mp_rank_00_model_states.pt"), map_location="cpu")
+    return {name: tensor.float() for name, tensor in saved["module"].items()}
 
 
 def step_url(run_url: str, step: int) -> str:

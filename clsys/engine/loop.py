@@ -1,13 +1,18 @@
 """The training loop that runs inside every Ray Train worker.
 
 ``Trainer`` is one rank's training, made of parts built once in this order: the process group, the objective
-and its DeepSpeed engine, this rank's shard stream, the newest intact checkpoint restored, TensorBoard, the
-evaluator, the checkpoint writer. ``run`` then reads top to bottom: step (forward → backward → optimizer
-step), every N steps log, evaluate, checkpoint; stop at ``train.steps`` or on request.
+and its DeepSpeed engine, this rank's batches, TensorBoard, the evaluator, the newest intact checkpoint restored,
+the checkpoint writer. ``run`` then reads top to bottom: step (forward → backward → optimizer step), every N steps
+log, evaluate, checkpoint; stop at ``train.steps`` or on request.
+
+What it trains is a ``Stage``: how the objective, the batches and the evaluation are built. The default is the
+step loop's (the objective ``objective.name`` names, its shard streams, ``eval.*``); a recipe that trains in
+stages gives each stage its own and runs one Trainer per stage (``clsys.recipes.css_lm.pipeline``).
 
 A checkpoint holds, besides DeepSpeed's model, optimizer and schedule, each rank's *parts* by name
-(``Trainer.parts``): ``rng`` (the global RNG streams), ``loader`` (the stream's position) and ``sources`` (the steps
-each data source was drawn for, ``SourceMeter``), each with ``state_dict`` / ``load_state_dict``; the step is the
+(``Trainer.parts``): ``rng`` (the global RNG streams), ``loader`` (the stream's position), ``sources`` (the steps
+each data source was drawn for, ``SourceMeter``) and ``evaluator`` when the evaluator keeps a state (a stage's
+record of its evaluations), each with ``state_dict`` / ``load_state_dict``; the step is the
 checkpoint's own, the best checkpoint's record lives in ``<run>/best.json`` (``BestTracker`` reads it back itself),
 and sample keys are written beside.
 """
@@ -119,11 +124,34 @@ class SampleKeys:
             self.consumed.clear()
 
 
-class Trainer:
-    """One rank's training (see the module docstring): its parts, then ``run``."""
+class Stage:
+    """What a Trainer trains: how it builds its objective, its batches and its evaluation, and what it does after a
+    step. This one is the step loop's; a recipe's stage overrides what differs (``clsys.recipes.css_lm.stage``)."""
 
-    def __init__(self, cfg: Config, requested_resume: str | None):
+    def objective(self, cfg: Config, tokenizer) -> Objective:
+        """Built with the same seed on every rank (the Trainer seeds first)."""
+        return OBJECTIVES[cfg.objective.name](cfg, tokenizer)
+
+    def loader(self, cfg: Config, rank: int, world: int, objective: Objective):
+        """This rank's endless batch iterator with ``state_dict``/``load_state_dict``; each batch holds its samples'
+        ``keys``, and may hold ``data_skipped`` (bad samples left out, by reason) and ``source``."""
+        return rank_loader(cfg, rank, world, objective.data)
+
+    def evaluator(self, objective: Objective, cfg: Config, rank: int, tb: TensorBoard):
+        """Collective when called: ``wanted``, ``due(step)``, ``metric`` (the score that selects the best checkpoint,
+        or None) and ``evaluator(step)`` → scores; with ``state_dict``/``load_state_dict`` it is a checkpoint part."""
+        return Evaluator(objective, cfg, rank, tb)
+
+    def after_step(self, step: int, resumed: bool = False) -> None:
+        """After optimizer step ``step``, on every rank; ``resumed``: the step a checkpoint brought back."""
+
+
+class Trainer:
+    """One rank's training of a ``Stage`` (see the module docstring): its parts, then ``run``."""
+
+    def __init__(self, cfg: Config, requested_resume: str | None, stage: Stage | None = None):
         self.cfg = cfg
+        self.stage = stage = stage or Stage()
         # Before the process group exists: DeepSpeed's backend keeps references to some collectives it finds then.
         self.clock = StepClock(torch.device("cuda" if cfg.cluster.use_gpu else "cpu"), cfg.train.profile)
         init_distributed()
@@ -133,7 +161,7 @@ class Trainer:
         # Same seed on every rank while building, so freshly initialised heads are identical everywhere.
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-        self.objective: Objective = OBJECTIVES[cfg.objective.name](cfg, self.tokenizer)
+        self.objective: Objective = stage.objective(cfg, self.tokenizer)
         self.precision = step_precision(cfg)  # what train.precision: auto means on this worker's device
         # Fault tooling and operators find a rank's process by this line (tests/faults.py).
         log.info(f"[clsys] rank {rank}/{world}: pid {os.getpid()}, {torch.get_num_threads()} threads, "
@@ -143,20 +171,24 @@ class Trainer:
         self.cfg = cfg = resolve_zero_stage(cfg, self.objective, resume.zero_stage if resume else None)
         self.engine = build_engine(self.objective, cfg, load_universal=bool(resume and resume.universal))
         self.engine.train()  # from_pretrained returns eval mode; the contrastive views need dropout on
-        self.loader = rank_loader(cfg, rank, world, self.objective.data)
+        self.loader = stage.loader(cfg, rank, world, self.objective)
         # From here on each rank draws its own dropout masks.
         torch.manual_seed(cfg.train.seed + 1 + rank)
         random.seed(cfg.train.seed + 1 + rank)
         self.sources = SourceMeter(cfg.train.grad_accum)  # steps and loss per source, from the batches' "source"
-        # Saved and restored by name.
-        self.parts: dict[str, Any] = {"rng": GlobalRng(), "loader": self.loader, "sources": self.sources}
-        self.step = self.restore(resume) if resume else 0
-
         self.tb_dir = local_tensorboard_dir(cfg) if rank == 0 else None
         self.tb = TensorBoard(self.tb_dir)
         self.tb_sync = (EventSync(self.tb_dir, storage.join(run, LOG_FOLDER), cfg.train.tensorboard_sync_s)
                         if self.tb_dir is not None and not storage.is_local(run) else None)
-        self.evaluator = Evaluator(self.objective, cfg, rank, self.tb)
+        self.evaluator = stage.evaluator(self.objective, cfg, rank, self.tb)
+        # Saved and restored by name.
+        self.parts: dict[str, Any] = {"rng": GlobalRng(), "loader": self.loader, "sources": self.sources}
+        if hasattr(self.evaluator, "state_dict"):
+            self.parts["evaluator"] = self.evaluator
+        self.step = self.restore(resume) if resume else 0
+        if resume:
+            stage.after_step(self.step, resumed=True)
+
         self.meta = self.checkpoint_meta()
         self.sample_keys = SampleKeys(run, rank, cfg.train.log_sample_keys)
         self.skipped: collections.Counter = collections.Counter()  # bad samples the loader skipped, by reason
@@ -196,7 +228,7 @@ class Trainer:
         cfg = self.cfg
         if self.evaluator.wanted and self.step == 0:
             self.evaluator(0)
-        batches = iter(self.loader)
+        batches = iter(self.loader)  # closed at the end: a stage's loader workers stop with it
         meter = Throughput(peak_tflops(cfg.train.peak_tflops, cfg.cluster.use_gpu, self.precision))
         stop_watch = StopWatch(self.run_url, cfg.cluster.stop_poll_s)
         started, first_step = time.perf_counter(), self.step  # for the console's elapsed time and ETA
@@ -204,6 +236,7 @@ class Trainer:
             for _ in range(cfg.train.grad_accum):
                 out = self.micro_step(batches, meter)
             self.step += 1
+            self.stage.after_step(self.step)
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                 self.log(out, meter, started, first_step)
             best_value = None
@@ -221,6 +254,7 @@ class Trainer:
                 break
         self.writer.wait()  # the last checkpoint complete before the worker returns
         stop_watch.close()
+        batches.close()
         self.close()
 
     def micro_step(self, batches, meter: Throughput):

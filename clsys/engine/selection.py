@@ -12,8 +12,10 @@ checkpoint, and an export should hold trained weights.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import asdict, dataclass
 
+import torch
 import torch.distributed as dist
 
 from clsys import storage
@@ -47,6 +49,16 @@ def selected_metric(cfg: Config, dev_set_name: str | None, retrieval_set_name: s
 def read_best(run_url: str) -> BestCheckpoint | None:
     record = storage.join(run_url, BEST_RECORD)
     return BestCheckpoint(**storage.read_json(record)) if storage.exists(record) else None
+
+
+def best_weights(run_url: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights (buffers included) of the objective in the run's best checkpoint."""
+    best = read_best(run_url)
+    if best is None:
+        raise FileNotFoundError(f"{run_url}: no best checkpoint recorded ({BEST_RECORD})")
+    with tempfile.TemporaryDirectory(prefix="clsys-best-") as local:
+        storage.download_dir(best.checkpoint, local)
+        return checkpoint.checkpoint_weights(local, best.checkpoint)
 
 
 class BestTracker:

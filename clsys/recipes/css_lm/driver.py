@@ -15,6 +15,7 @@ from clsys import storage
 from clsys.config import Config, ConfigError, run_url
 from clsys.data.epoch_layout import plan_epoch
 from clsys.engine.launch import init_ray, save_config, train
+from clsys.engine.preemption import EXIT_PREEMPTED
 from clsys.storage.lease import LEASE
 from clsys.recipes.css_lm.corpus import resolve_corpus_stream
 from clsys.recipes.css_lm.pipeline import RESULT, css_lm_worker, load_task
@@ -71,6 +72,10 @@ def run(cfg: Config, repeats: int) -> int:
             log.info(storage.redact(f"[clsys] seed {seeded.train.seed}: complete in {run}, skipped"))
         else:
             train(seeded, None, css_lm_worker)
+            if not storage.exists(storage.join(run, RESULT)):  # a stage stopped on request (<stage run>/STOP)
+                print(storage.redact(f"[clsys] seed {seeded.train.seed} stopped before its end: --resume latest "
+                                     f"continues it from its checkpoint"), file=sys.stderr)
+                return EXIT_PREEMPTED
         results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})
     tests = [r["test_accuracy"] for r in results]
     summary = {"method": cfg.objective.method, "task": cfg.task.train, "shots": cfg.task.shots, "seeds": results,
