@@ -5,9 +5,9 @@
 Both arms run the bundled ``css_lm`` recipe through ``python -m clsys.pretrain`` (Ray Train, DeepSpeed
 ZeRO-2) on all-MiniLM-L6-v2 with 16 examples per class drawn per seed, and report test accuracy at
 the best dev epoch, mean ± std over the seeds:
-  1. plain fine-tuning: ``objective.method=finetune`` (CE on the task head, ``task.warmup_epochs`` epochs);
+  1. plain fine-tuning: ``objective.method=finetune`` (CE on the task head, ``objective.task.warmup_epochs`` epochs);
   2. CSS-LM: stage A (same epochs), the bank from the bundled Wikipedia sample's sentences (the
-     first ``corpus.bank_size`` with >= 15 tokens), stage C (``task.epochs`` epochs).
+     first ``objective.corpus.bank_size`` with >= 15 tokens), stage C (``objective.task.epochs`` epochs).
 Seed i of both arms draws the same few-shot sample. The default task is ACL-ARC (6 classes; its
 small dev and test sets keep per-epoch evaluation cheap on CPU); runs are resumed (complete seeds
 skipped) when the command is repeated. Then ``bench/css_bank_scoring.py`` at 40k and 1M rows.
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers per run")
     parser.add_argument("--out", default="runs/bench-css-lm", help="run root (resumed when it exists)")
     parser.add_argument("--no-scoring", action="store_true", help="skip the bank scoring throughput part")
-    parser.add_argument("overrides", nargs="*", help="extra overrides for both arms, e.g. task.epochs=5")
+    parser.add_argument("overrides", nargs="*", help="extra overrides for both arms, e.g. objective.task.epochs=5")
     args = parser.parse_args()
 
     sample_shards(REPO / SHARDS)
@@ -57,9 +57,9 @@ def main() -> None:
     for method in ("finetune", "css_lm"):
         name = f"{args.task}-{method}"
         seconds = python("-m", "clsys.pretrain", "--config", "css_lm", "--repeats", str(args.seeds), "--resume", "latest",
-                         f"objective.method={method}", f"task.train={train}", f"task.dev={dev}", f"task.test={test}",
-                         f"corpus.url={SHARDS}", f"train.name={name}", f"train.run_root={args.out}",
-                         f"cluster.num_workers={args.workers}", *args.overrides)
+                         f"objective.method={method}", f"objective.task.train={train}", f"objective.task.dev={dev}",
+                         f"objective.task.test={test}", f"objective.corpus.url={SHARDS}", f"train.name={name}",
+                         f"train.run_root={args.out}", f"cluster.num_workers={args.workers}", *args.overrides)
         with open(REPO / args.out / name / "summary.json") as f:
             summary = json.load(f)
         rows.append((method, summary, seconds))

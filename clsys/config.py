@@ -13,7 +13,7 @@ import math
 import os
 import re
 import typing
-from typing import Literal
+from typing import ClassVar, Literal
 from dataclasses import dataclass, field
 
 import yaml
@@ -79,6 +79,15 @@ class ObjectiveConfig:
 
     name: str = "simcse"  # the objective (clsys.recipes.OBJECTIVES); the other objective.* keys are its own
     grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
+
+    # Groups of this config that a recipe may also write as top-level sections (``task:``, ``task.shots=8``): the
+    # spelling of recipes and saved runs from before they moved under ``objective`` (clsys.config_parsing).
+    own_sections: ClassVar[tuple[str, ...]] = ()
+    # Keys (dotted, below ``objective``) the driver resolves before any worker starts, as workers do not run in its
+    # folder (clsys.config_paths): files the run reads (against its folder, else the checkout; one that names
+    # nothing is an error naming its key) and data locations (made absolute, as data.url is).
+    local_files: ClassVar[tuple[str, ...]] = ()
+    locations: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass
@@ -175,32 +184,6 @@ class EvalConfig:
     select_mode: Literal["max", "min"] = "max"  # max or min: which direction of eval.select is better
 
 
-@dataclass
-class TaskConfig:
-    """A few-shot text-classification task, for a recipe that trains a classifier: files in a format
-    ``clsys.data.labeled`` reads."""
-
-    train: str = ""  # labelled training file (CSV/TSV/JSONL/"LABEL text"); the class names come from it
-    dev: str = ""  # selects the epoch (accuracy)
-    test: str = ""  # reported at the best dev epoch
-    shots: int = 16  # examples per class drawn from train with the repeat's seed (0 = all of train)
-    text_field: str = ""  # CSV/TSV/JSONL field names; "" = guessed (text/sentence/…, label/…)
-    label_field: str = ""  # the label column/field; "" = guessed (label/gold_label/class/y)
-    warmup_epochs: int = 14  # stage A (or the plain fine-tuning baseline's only stage)
-    epochs: int = 14  # stage C
-    warmup_fraction: float = 0.1  # linear lr warm-up over this fraction of each stage's steps
-    detach_after_epochs: int = 1  # stage A: C and D see detached views from this epoch on (0 = never)
-
-
-@dataclass
-class CorpusConfig:
-    """The unlabeled corpus a retrieval recipe draws from: sentence shards written by ``data_prep wiki``."""
-
-    url: str = ""  # the sentences stream (or the data_prep output root holding sentences/)
-    bank_size: int = 40000  # bank rows: the first this many corpus sentences with >= min_tokens tokens
-    min_tokens: int = 15  # tokens (without special tokens) a sentence needs to enter the bank
-
-
 # DeepSpeed config keys that clsys derives from its own settings, and the setting that decides each. A
 # `deepspeed:` section may set anything else: offload, communication, activation checkpointing, ...
 DEEPSPEED_DERIVED = {
@@ -231,8 +214,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
     # Merged over the DeepSpeed config clsys generates (clsys.engine.deepspeed.ds_config), e.g.
     # zero_optimization.offload_optimizer or communication_data_type; keys clsys derives are refused.
     deepspeed: dict = field(default_factory=dict)

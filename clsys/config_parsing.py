@@ -4,7 +4,8 @@
 each objective's config dataclass: it imports no objective). Each value is coerced to its field's annotated type
 (closed sets, lists, mappings, tuples); an unknown key or a value of the wrong type is an error that names the
 key, so a typo in a recipe never silently falls back to a default. What a config holds, and the checks a whole
-config passes, are ``clsys.config``'s.
+config passes, are ``clsys.config``'s. A group of an objective's config that it declares as a section of its own
+(``ObjectiveConfig.own_sections``) is also read as a top-level section, the spelling from before it moved.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from clsys.config import FREE_FORM, Config, ConfigError, ObjectiveConfig, closed_set_problem
+from clsys.config import FREE_FORM, Config, ConfigError, ObjectiveConfig, choices, closed_set_problem
 
 
 def _coerce(key: str, value, tp):
@@ -113,7 +114,8 @@ def _set(cfg: Config, dotted: str, value) -> None:
             kind = f"keys of {'.'.join(where)}" if where else "sections"
             raise ConfigError(f"unknown config key '{dotted}' ({kind}: {', '.join(sorted(fields))})")
         node, where = child, where + [part]
-    hints = typing.get_type_hints(type(node))
+    fields = {f.name for f in dataclasses.fields(node)}  # not its ClassVars (own_sections, ...): no keys
+    hints = {key: tp for key, tp in typing.get_type_hints(type(node)).items() if key in fields}
     if name not in hints:
         raise ConfigError(f"unknown config key '{dotted}' (keys of {'.'.join(where)}: {', '.join(hints)})")
     if dataclasses.is_dataclass(hints[name]):  # a group given whole: a YAML mapping or a to_dict() dict
@@ -150,13 +152,44 @@ def _objective_config(name: str, objective_configs: Mapping[str, type[ObjectiveC
     return objective_configs[name](name=name)
 
 
+def _placed(key: str, value, objective: ObjectiveConfig,
+            objective_configs: Mapping[str, type[ObjectiveConfig]]) -> str | None:
+    """``key`` where Config holds it. A top-level section an objective owns (``task.shots``: ``own_sections``) is
+    the spelling from before it moved under ``objective``: read there when the selected objective owns it; another
+    objective's key at its default is skipped (None), as every run saved before the move holds those sections,
+    whatever its objective; set to anything else, it is an error naming the objective that owns it."""
+    section = key.split(".")[0]
+    if section in type(objective).own_sections:
+        return f"objective.{key}"
+    owners = {name: cls for name, cls in objective_configs.items() if section in cls.own_sections}
+    if not owners:
+        return key
+    if any(_changes_nothing(cls, name, key, value) for name, cls in owners.items()):
+        return None
+    sections, names = ", ".join(f.name for f in dataclasses.fields(Config)), choices(tuple(owners))
+    raise ConfigError(f"unknown config key '{key}' (sections: {sections}; {section} is a section of objective "
+                      f"{names}: objective.name: {names})")
+
+
+def _changes_nothing(config_class: type[ObjectiveConfig], name: str, key: str, value) -> bool:
+    """Whether ``objective.key`` set to ``value`` (read as any value is) leaves objective ``name``'s defaults as
+    they are."""
+    probe = Config(objective=config_class(name=name))
+    try:
+        _set(probe, f"objective.{key}", value)
+    except ConfigError:
+        return False
+    return probe.objective == config_class(name=name)
+
+
 def _build(items: list[tuple[str, object, str]], objective_configs: Mapping[str, type[ObjectiveConfig]]) -> Config:
     """Apply (dotted key, value, where-it-came-from) items in order onto a fresh Config."""
     name = next((v for k, v, _ in reversed(items) if k == "objective.name"), ObjectiveConfig.name)
     cfg = Config(objective=_objective_config(str(name), objective_configs))
     for key, value, source in items:
         try:
-            _set(cfg, key, value)
+            if (placed := _placed(key, value, cfg.objective, objective_configs)) is not None:
+                _set(cfg, placed, value)
         except ConfigError as err:
             raise ConfigError(f"{source}{err}") from None
     cfg.validate()

@@ -14,9 +14,13 @@ A value is read as, in this order:
 - for ``model.name`` and ``model.tokenizer``, a Hugging Face hub id in this machine's cache: kept
   (each worker reads its own cache);
 - else an error naming the key.
+
+Besides the shared sections' keys, the objective's config names its own (``ObjectiveConfig.local_files``: files
+read as above; ``locations``: made absolute, as ``data.url`` is), so no objective is named here.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Callable
@@ -30,11 +34,13 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 def resolve_local_paths(cfg: Config) -> None:
     """Make every local path in ``cfg`` absolute, in place; ConfigError names a key whose path names nothing."""
     # Where data is read or written: made absolute only. The run root need not exist yet, and the
-    # others are checked where they are read (check_data, resolve_resume, corpus.url's recipe).
+    # others are checked where they are read (check_data, resolve_resume, the objective's recipe).
     cfg.data.url = _location(cfg.data.url)
     cfg.train.run_root = _location(cfg.train.run_root)
-    if cfg.corpus.url:
-        cfg.corpus.url = _location(cfg.corpus.url)
+    for key in type(cfg.objective).locations:
+        group, name = _group(cfg.objective, key)
+        if value := getattr(group, name):
+            setattr(group, name, _location(value))
     if cfg.train.resume not in ("", "latest"):
         cfg.train.resume = _location(cfg.train.resume)
 
@@ -47,13 +53,20 @@ def resolve_local_paths(cfg: Config) -> None:
     cfg.eval.tatoeba = [_tatoeba_pair(pair) for pair in cfg.eval.tatoeba]
     if cfg.eval.retrieval_dev:
         cfg.eval.retrieval_dev = _beir_folder(cfg.eval.retrieval_dev, cfg.eval.retrieval_split)
-    for key in ("train", "dev", "test"):
-        value = getattr(cfg.task, key)
+    for key in type(cfg.objective).local_files:
+        group, name = _group(cfg.objective, key)
+        value = getattr(group, name)
         if value and "://" not in value:
             found = _existing(value)
             if found is None:
-                raise _names_nothing(f"task.{key}", value, "a URL")
-            setattr(cfg.task, key, found)
+                raise _names_nothing(f"objective.{key}", value, "a URL")
+            setattr(group, name, found)
+
+
+def _group(objective, key: str) -> tuple[object, str]:
+    """The config group holding ``key`` (dotted, below the objective section: ``task.train``) and its name there."""
+    *path, name = key.split(".")
+    return functools.reduce(getattr, path, objective), name
 
 
 def _location(value: str) -> str:

@@ -1,11 +1,13 @@
 """Recipes and overrides: every bundled recipe loads; a bad key or value is an error naming it."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import yaml
 
-from clsys.config import ConfigError
+from clsys.config import Config, ConfigError
 from clsys.recipes import CONFIG_DIR, config_from_dict, load_config
 
 
@@ -110,6 +112,68 @@ def test_nested_groups_from_overrides_and_yaml(tmp_path):
     assert load_config(str(recipe)).objective.grad_cache.chunk_size == 16
 
 
+def test_css_lm_task_and_corpus_are_objective_groups_in_either_spelling(tmp_path):
+    """CSS-LM's task and corpus are groups of its objective config (objective.task, objective.corpus: the spelling
+    to_yaml writes); top-level sections and overrides, the spelling from before, fill the same keys, objective.name
+    coming before or after them."""
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("objective:\n  name: css_lm\n  task:\n    train: a.tsv\n    shots: 4\n  corpus:\n    url: c\n")
+    cfg = load_config(str(nested))
+    assert (cfg.objective.task.train, cfg.objective.task.shots, cfg.objective.corpus.url) == ("a.tsv", 4, "c")
+    top_level = tmp_path / "top_level.yaml"
+    top_level.write_text("task:\n  train: a.tsv\n  shots: 4\ncorpus:\n  url: c\nobjective:\n  name: css_lm\n")
+    assert load_config(str(top_level)) == cfg
+    assert load_config(None, ["task.train=a.tsv", "task.shots=4", "corpus.url=c", "objective.name=css_lm"]) == cfg
+    assert load_config(None, ["objective.name=css_lm", "objective.task.train=a.tsv", "objective.task.shots=4",
+                              "objective.corpus.url=c"]) == cfg
+    assert load_config("css_lm", ["task.shots=8"]).objective.task.shots == 8
+    written = yaml.safe_load(cfg.to_yaml())
+    assert "task" not in written and "corpus" not in written
+    assert (written["objective"]["task"]["train"], written["objective"]["corpus"]["url"]) == ("a.tsv", "c")
+    (tmp_path / "saved.yaml").write_text(cfg.to_yaml())
+    assert load_config(str(tmp_path / "saved.yaml")) == cfg and config_from_dict(cfg.to_dict()) == cfg
+    assert not hasattr(Config(), "task") and not hasattr(Config(), "corpus")
+
+
+# What every run saved before task and corpus moved under objective holds, whatever its objective.
+SAVED_TASK = {"train": "", "dev": "", "test": "", "shots": 16, "text_field": "", "label_field": "", "warmup_epochs": 14,
+              "epochs": 14, "warmup_fraction": 0.1, "detach_after_epochs": 1}
+SAVED_CORPUS = {"url": "", "bank_size": 40000, "min_tokens": 15}
+
+
+@pytest.mark.parametrize("recipe", ["css_lm", "quickstart"])
+def test_a_config_saved_before_the_move_reads_back(recipe, tmp_path):
+    """A run saved before (its to_dict, its config.yaml) with top-level task and corpus: CSS-LM's read into
+    objective.task and objective.corpus, another objective's (at their defaults) left out."""
+    expected = load_config(recipe)
+    saved = expected.to_dict()
+    if recipe == "css_lm":
+        task, corpus = saved["objective"].pop("task"), saved["objective"].pop("corpus")
+        assert task != SAVED_TASK and corpus != SAVED_CORPUS  # the recipe's own values, not the defaults
+    else:
+        task, corpus = SAVED_TASK, SAVED_CORPUS
+    saved = {**saved, "task": task, "corpus": corpus}
+    assert config_from_dict(saved) == expected
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(saved)), sort_keys=False))
+    assert load_config(str(tmp_path / "config.yaml")) == expected
+
+
+def test_another_objectives_section_names_its_objective(tmp_path):
+    message = ("unknown config key 'task.train' (sections: data, model, objective, optim, train, cluster, eval, "
+               "deepspeed; task is a section of objective css_lm: objective.name: css_lm)")
+    with pytest.raises(ConfigError, match=re.escape(f"override: {message}")):
+        load_config(None, ["task.train=x"])
+    with pytest.raises(ConfigError, match=re.escape("'corpus.url' (sections: ")):
+        load_config("quickstart", ["corpus.url=shards"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("objective:\n  name: simcse\ntask:\n  train: x\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{recipe}: {message}")):
+        load_config(str(recipe))
+    with pytest.raises(ConfigError, match=re.escape("'task.shots' (sections: ")):
+        load_config(None, ["task.shots=8"])
+    assert load_config(None, ["task.shots=16"]) == load_config(None)  # css_lm's default: it sets nothing
+
+
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=1", "unknown config key 'train.stepz'"),
     ("trainn.steps=1", "unknown config key 'trainn.steps'"),
@@ -119,6 +183,7 @@ def test_nested_groups_from_overrides_and_yaml(tmp_path):
                                      "chunk_size)"),
     ("objective.temperature.x=1", "unknown config key 'objective.temperature.x' (keys of objective: "),
     ("objective.grad_cache=8", "objective.grad_cache: expected a mapping of chunk_size"),
+    ("objective.own_sections=[a]", "unknown config key 'objective.own_sections'"),  # a ClassVar is no key
     ("objective.grad_cache.chunk_size=-1", "objective.grad_cache.chunk_size: expected >= 0"),
     ("cluster.health_check_timeout_s=0", "cluster.health_check_timeout_s: expected > 0"),
     ("eval.every=0", "eval.every: expected > 0"),  # a modulo by zero at the first step, once the cluster was up

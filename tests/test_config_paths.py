@@ -43,9 +43,10 @@ def user_folder(tmp_path, monkeypatch) -> Path:
 
 def test_relative_paths_are_absolute_in_the_resolved_config(user_folder, capsys):
     code, cfg, err = print_config([
-        "model.name=models/tiny", "model.tokenizer=./tok", "eval.sts_dev=sets/dev.csv", "eval.sts_test=sets/dev.csv",
-        "eval.tatoeba=[bitext/tatoeba.deu-eng, fra-eng]", "task.train=task/train.tsv", "task.dev=task/dev.tsv",
-        "task.test=task/test.tsv", "data.url=shards", "train.run_root=runs", "corpus.url=shards",
+        "--config", "css_lm", "model.name=models/tiny", "model.tokenizer=./tok", "eval.sts_dev=sets/dev.csv",
+        "eval.sts_test=sets/dev.csv", "eval.tatoeba=[bitext/tatoeba.deu-eng, fra-eng]",
+        "objective.task.train=task/train.tsv", "objective.task.dev=task/dev.tsv", "task.test=task/test.tsv",
+        "data.url=shards", "train.run_root=runs", "objective.corpus.url=shards",
         "train.resume=ckpt/step-00000002", "eval.retrieval_dev=beir/mine"], capsys)
     assert code == 0, err
     assert cfg["model"]["name"] == str(user_folder / "models" / "tiny")
@@ -53,23 +54,25 @@ def test_relative_paths_are_absolute_in_the_resolved_config(user_folder, capsys)
     assert cfg["eval"]["sts_dev"] == cfg["eval"]["sts_test"] == str(user_folder / "sets" / "dev.csv")
     # A Tatoeba path is a prefix of its two files; a bundled pair stays a name.
     assert cfg["eval"]["tatoeba"] == [str(user_folder / "bitext" / "tatoeba.deu-eng"), "fra-eng"]
-    assert [cfg["task"][s] for s in ("train", "dev", "test")] == [str(user_folder / "task" / f"{s}.tsv")
-                                                                  for s in ("train", "dev", "test")]
-    assert cfg["data"]["url"] == cfg["corpus"]["url"] == str(user_folder / "shards")
+    task = cfg["objective"]["task"]
+    assert [task[s] for s in ("train", "dev", "test")] == [str(user_folder / "task" / f"{s}.tsv")
+                                                           for s in ("train", "dev", "test")]
+    assert cfg["data"]["url"] == cfg["objective"]["corpus"]["url"] == str(user_folder / "shards")
     assert cfg["train"]["run_root"] == str(user_folder / "runs")
     assert cfg["train"]["resume"] == str(user_folder / "ckpt" / "step-00000002")
     assert cfg["eval"]["retrieval_dev"] == str(user_folder / "beir" / "mine")
 
 
 def test_names_and_urls_stay_as_given(user_folder, capsys):
-    code, cfg, err = print_config(["model.name=all-MiniLM-L6-v2", "model.tokenizer=s3://bucket/tok",
-                                   "eval.sts_dev=stsb-en-dev", "eval.sts_test=", "data.url=s3://bucket/shards",
-                                   "train.resume=latest", "task.train=s3://bucket/train.tsv",
+    code, cfg, err = print_config(["--config", "css_lm", "model.name=all-MiniLM-L6-v2",
+                                   "model.tokenizer=s3://bucket/tok", "eval.sts_dev=stsb-en-dev", "eval.sts_test=",
+                                   "data.url=s3://bucket/shards", "train.resume=latest",
+                                   "objective.task.train=s3://bucket/train.tsv",
                                    "eval.retrieval_dev=xquad-de"], capsys)
     assert code == 0, err
     assert (cfg["model"]["name"], cfg["model"]["tokenizer"]) == ("all-MiniLM-L6-v2", "s3://bucket/tok")
     assert (cfg["eval"]["sts_dev"], cfg["eval"]["sts_test"]) == ("stsb-en-dev", "")
-    assert (cfg["data"]["url"], cfg["train"]["resume"], cfg["task"]["train"]) == (
+    assert (cfg["data"]["url"], cfg["train"]["resume"], cfg["objective"]["task"]["train"]) == (
         "s3://bucket/shards", "latest", "s3://bucket/train.tsv")
     assert cfg["eval"]["retrieval_dev"] == "xquad-de"
 
@@ -89,7 +92,6 @@ def test_a_path_into_the_clsys_checkout_works_from_any_folder(user_folder, capsy
     ("eval.sts_dev=sets/missing.csv", "eval.sts_dev"),
     ("eval.sts_test=sets/missing.csv", "eval.sts_test"),
     ("eval.tatoeba=[bitext/tatoeba.fra-eng]", "eval.tatoeba"),
-    ("task.dev=task/missing.tsv", "task.dev"),
     ("eval.retrieval_dev=beir/missing", "eval.retrieval_dev"),
 ])
 def test_a_path_that_names_nothing_fails_naming_its_key(user_folder, capsys, override, key):
@@ -97,6 +99,20 @@ def test_a_path_that_names_nothing_fails_naming_its_key(user_folder, capsys, ove
     assert code == 2
     value = override.partition("=")[2].strip("[]")
     assert f"{key}: '{value}'" in err and str(user_folder) in err, err
+
+
+def test_the_objectives_own_files_resolve_against_the_checkout_or_fail_naming_their_key(user_folder, capsys):
+    """The files an objective's config declares (CSS-LM's objective.task.*), whichever spelling set them: the working
+    folder first, else the clsys checkout; one that names nothing fails naming its key under objective."""
+    sst5 = "clsys/assets/labeled/sst5/stsa.fine.train"
+    code, cfg, err = print_config(["--config", "css_lm", f"objective.task.train={sst5}", "task.dev=task/dev.tsv"],
+                                  capsys)
+    assert code == 0, err
+    assert cfg["objective"]["task"]["train"] == str(REPO / sst5)
+    assert cfg["objective"]["task"]["dev"] == str(user_folder / "task" / "dev.tsv")
+    for override in ("objective.task.dev=task/missing.tsv", "task.dev=task/missing.tsv"):
+        code, _, err = print_config(["--config", "css_lm", override], capsys)
+        assert code == 2 and "objective.task.dev: 'task/missing.tsv'" in err and str(user_folder) in err, err
 
 
 def test_a_hub_id_counts_only_when_it_is_in_the_cache(user_folder, capsys, monkeypatch):

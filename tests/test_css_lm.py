@@ -15,7 +15,8 @@ from clsys.config import Config
 from clsys.engine.ranks import ProcessGroupRanks
 from clsys.model.encoder import load_tokenizer
 from clsys.recipes import OBJECTIVES
-from clsys.recipes.css_lm.objective import CSSLM, CSSLMConfig
+from clsys.recipes.css_lm.config import CSSLMConfig
+from clsys.recipes.css_lm.objective import CSSLM
 from clsys.recipes.css_lm.bank import RetrievalBank, retrieved_group
 from conftest import free_port
 

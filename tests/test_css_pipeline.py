@@ -41,13 +41,13 @@ def test_epoch_rows_are_a_seeded_permutation_cycled_to_whole_batches(examples, b
 
 
 def test_stage_configs():
-    cfg = load_config("css_lm", ["task.warmup_epochs=3", "task.epochs=2", "train.batch_size=4", "cluster.num_workers=2",
-                                 "train.grad_accum=2", "task.warmup_fraction=0.1"])
+    cfg = load_config("css_lm", ["objective.task.warmup_epochs=3", "objective.task.epochs=2", "train.batch_size=4",
+                                 "cluster.num_workers=2", "train.grad_accum=2", "objective.task.warmup_fraction=0.1"])
     warmup, css = stage_config(cfg, "warmup", 10), stage_config(cfg, "css", 10)
     assert (warmup.objective.stage, warmup.train.steps, warmup.optim.warmup_steps) == ("warmup", 9, 0)
     assert warmup.objective.detach_after_micro_steps == 3 * 2  # one epoch of micro-steps: 3 steps × 2
     assert (css.objective.stage, css.train.steps, css.optim.warmup_steps) == ("css", 6, 0)
-    assert stage_config(load_config("css_lm", ["task.warmup_epochs=14"]), "warmup", 96).optim.warmup_steps == 33
+    assert stage_config(load_config("css_lm", ["objective.task.warmup_epochs=14"]), "warmup", 96).optim.warmup_steps == 33
     assert cfg.objective.stage == "warmup" and cfg.train.steps != 9  # the recipe's config is left as it was
 
 
@@ -80,20 +80,22 @@ def test_corpus_url_is_the_stream_or_its_root(corpus, tmp_path):
     assert resolve_corpus_stream(os.path.join(corpus, "sentences")) == os.path.join(corpus, "sentences")
     with pytest.raises(FileNotFoundError, match="no manifest.json in .*sentences"):
         resolve_corpus_stream(str(tmp_path))
-    with pytest.raises(ValueError, match="corpus.url"):
+    with pytest.raises(ValueError, match="objective.corpus.url"):
         resolve_corpus_stream("")
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["task.train="], "task.train: set it to a labelled file"),
-    (["task.dev=clsys/assets/labeled/acl-arc/dev.txt"], "acl-arc/dev.txt:1: unknown label 'Background'"),
+    (["objective.task.train="], "objective.task.train: set it to a labelled file"),
+    (["task.test="], "objective.task.test: set it to a labelled file"),  # the spelling from before: the key now
+    (["objective.task.dev=clsys/assets/labeled/acl-arc/dev.txt"], "acl-arc/dev.txt:1: unknown label 'Background'"),
     (["objective.num_labels=3"], "objective.num_labels: 3, but .* has 5 classes"),
-    (["corpus.url=/nonexistent/corpus"], "corpus.url: no manifest.json in /nonexistent/corpus"),
+    (["objective.corpus.url=/nonexistent/corpus"], "objective.corpus.url: no manifest.json in /nonexistent/corpus"),
     (["train.resume=file:///x/checkpoints/step-00000001"], "train.resume: css_lm resumes whole stages"),
-    (["train.name=other", "train.steps=5", "task.shots=-1"], "shots must be >= 0"),
+    (["train.name=other", "train.steps=5", "objective.task.shots=-1"], "shots must be >= 0"),
 ])
 def test_driver_errors_name_the_key_or_file(overrides, message, corpus, tmp_path, capsys):
-    code = pretrain_main(["--config", "css_lm", f"corpus.url={corpus}", f"train.run_root={tmp_path}", *overrides])
+    code = pretrain_main(["--config", "css_lm", f"objective.corpus.url={corpus}", f"train.run_root={tmp_path}",
+                          *overrides])
     assert code == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -121,9 +123,10 @@ def small_task(tmp_path_factory) -> dict[str, str]:
 
 def tiny_run(tiny: str, task: dict[str, str], corpus: str, run_root: str, *extra: str) -> list[str]:
     return ["-m", "clsys.pretrain", "--config", "css_lm", f"model.name={tiny}", "model.init=scratch",
-            "model.tokenizer=all-MiniLM-L6-v2", f"task.train={task['train']}", f"task.dev={task['dev']}",
-            f"task.test={task['test']}", "task.shots=2", "task.warmup_epochs=2", "task.epochs=2", "objective.k=4",
-            "objective.domain_negatives=2", "corpus.bank_size=120", f"corpus.url={corpus}", "data.max_length=32",
+            "model.tokenizer=all-MiniLM-L6-v2", f"objective.task.train={task['train']}",
+            f"objective.task.dev={task['dev']}", f"objective.task.test={task['test']}", "objective.task.shots=2",
+            "objective.task.warmup_epochs=2", "objective.task.epochs=2", "objective.k=4", "objective.domain_negatives=2",
+            "objective.corpus.bank_size=120", f"objective.corpus.url={corpus}", "data.max_length=32",
             f"train.run_root={run_root}", "train.log_every=1", *extra]
 
 
@@ -223,7 +226,7 @@ def test_one_worker_resumes_by_stage(tiny, small_task, corpus, tmp_path):
 @pytest.mark.usefixtures("shared_ray")
 def test_plain_finetuning_baseline(tiny, small_task, corpus, tmp_path):
     common = tiny_run(tiny, small_task, corpus, str(tmp_path), "cluster.num_workers=1", "train.name=ft",
-                      "objective.method=finetune", "corpus.url=", "cluster.stop_poll_s=0.05")  # no corpus needed
+                      "objective.method=finetune", "objective.corpus.url=", "cluster.stop_poll_s=0.05")  # no corpus needed
     # A stop request in the stage's folder: the stage checkpoints and stops, and nothing is marked complete.
     stop = tmp_path / "ft" / "warmup" / "STOP"
     stop.parent.mkdir(parents=True)

@@ -63,6 +63,10 @@ def test_every_key_with_type_default_and_meaning(gen):
     assert ("| `objective.export_pooling` | `str` | `mean` | bi-encoder pooling of the exported encoder "
             "(one of cls \\| mean \\| max) |") in text
     assert "| `objective.tasks` | `list[str]` | `[qlm, rr]` |" in text and "(each one of qlm \\| rr) |" in text
+    # an objective's nested groups, and the top-level sections it still reads (CSS-LM's task and corpus)
+    assert "| `objective.task.train` | `str` | `\"\"` | labelled training file" in text
+    assert "| `objective.corpus.bank_size` | `int` | `40000` |" in text
+    assert "Its groups `task`, `corpus` are also read as top-level sections" in text
 
 
 def test_meanings_from_trailing_and_leading_comments_nested_keys():
@@ -87,7 +91,7 @@ def test_notes_and_key_tables_name_only_real_keys(gen):
     assert "config-notes" not in out and "| optimizer steps<br>more on steps |" in out
     with pytest.raises(gen.ConfigKeyError, match="train.stepz"):
         gen.expand(page.replace("train.steps:", "train.stepz:"))
-    table = "| key | default | meaning |\n|---|---|---|\n| `objective.pairs`, `task.dev` | x | y |\n"
+    table = "| key | default | meaning |\n|---|---|---|\n| `objective.pairs`, `objective.task.dev` | x | y |\n"
     gen.check_key_tables(table, "page.md")  # objective.* keys: of any objective
     with pytest.raises(gen.ConfigKeyError, match=r"page\.md:4: 'objective\.pair' "):
         gen.check_key_tables(table + "| `objective.pair` | x | y |\n", "page.md")

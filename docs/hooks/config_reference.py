@@ -76,6 +76,10 @@ def sections() -> list[tuple[str, str, str, list[Row]]]:
             page = OBJECTIVE_PAGES.get(objective)
             intro = f"`{cls.__module__}.{cls.__name__}`" + (
                 f"; the recipe and each key in context: [{objective}]({page})" if page else "")
+            if cls.own_sections:  # the spelling from before these groups moved under objective, still read
+                owned = ", ".join(f"`{s}`" for s in cls.own_sections)
+                intro += (f". Its groups {owned} are also read as top-level sections of a recipe and as overrides "
+                          f"without `objective.` (`{cls.own_sections[0]}.KEY=VALUE`)")
             out.append((f"objective-{objective.replace('_', '-')}", f"`objective.name: {objective}`", intro,
                         section.rows))
     return out
@@ -125,7 +129,7 @@ def expand(markdown: str) -> str:
 
 def check_key_tables(markdown: str, where: str) -> None:
     """Every key in the first column of a ``| key | ...`` table must exist (objective.* keys: in any
-    objective). Rows may list several keys: ``| `task.train`, `task.dev` | ...``."""
+    objective). Rows may list several keys: ``| `objective.task.train`, `objective.task.dev` | ...``."""
     keys, in_table, fence = known_keys(), False, False
     for number, line in enumerate(markdown.splitlines(), 1):
         if line.lstrip().startswith("```"):

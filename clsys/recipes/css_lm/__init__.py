@@ -2,10 +2,12 @@
 
 The recipe's home (``clsys.recipes.home``), everything of its own in one place:
 
+- ``config.py``: its config (``CSSLMConfig``), with the task and the corpus as its groups ``objective.task`` and
+  ``objective.corpus``;
 - ``objective.py``: the model (encoder, task head, pair scorers) and both stages' losses (``CSSLM``);
 - ``pair_heads.py``: the pairwise "same class / same domain" losses and scores;
 - ``bank.py``: the retrieval bank (encoded corpus sentences), scoring and distributed top-k;
-- ``corpus.py``: the unlabeled corpus (``corpus.url``: ``data_prep wiki`` sentence shards);
+- ``corpus.py``: the unlabeled corpus (``objective.corpus.url``: ``data_prep wiki`` sentence shards);
 - ``pipeline.py``: stages A, B and C of one seed inside Ray Train workers, and the classifier's export;
 - ``driver.py``: ``python -m clsys.pretrain --config css_lm [--repeats N]``, seeds averaged;
 - ``classifier.py``: the exported classifier, as ``python -m clsys.classify`` loads it.

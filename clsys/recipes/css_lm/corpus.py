@@ -20,12 +20,12 @@ TOKENIZE_CHUNK = 1024  # sentences tokenised at once while counting tokens
 def resolve_corpus_stream(url: str) -> str:
     """The sentences stream: ``url`` itself when it has a manifest, else ``url/sentences`` (a data_prep root)."""
     if not url:
-        raise ValueError("corpus.url: set it to the sentence shards of the unlabeled corpus "
+        raise ValueError("objective.corpus.url: set it to the sentence shards of the unlabeled corpus "
                          "(the --out of `python -m data_prep wiki`, or its sentences/ folder)")
     for candidate in (url, storage.join(url, "sentences")):
         if storage.exists(storage.join(candidate, "manifest.json")):
             return candidate
-    raise FileNotFoundError(f"corpus.url: no manifest.json in {url} or in {storage.join(url, 'sentences')}")
+    raise FileNotFoundError(f"objective.corpus.url: no manifest.json in {url} or in {storage.join(url, 'sentences')}")
 
 
 def corpus_texts(stream: str, verify: bool = True, skipped: collections.Counter | None = None,

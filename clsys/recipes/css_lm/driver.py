@@ -27,20 +27,22 @@ log = logging.getLogger(__name__)
 def run(cfg: Config, repeats: int) -> int:
     """CSS-LM (or its fine-tuning baseline) for ``repeats`` seeds train.seed, +1, …: one Ray Train run
     each (``clsys.recipes.css_lm.pipeline``), then test accuracy at the best dev epoch, mean ± std."""
+    task_cfg = cfg.objective.task
     try:
         for key in ("train", "dev", "test"):
-            if not getattr(cfg.task, key):
-                raise ConfigError(f"task.{key}: set it to a labelled file (CSV/TSV/JSONL or 'LABEL text' lines)")
+            if not getattr(task_cfg, key):
+                raise ConfigError(f"objective.task.{key}: set it to a labelled file "
+                                  "(CSV/TSV/JSONL or 'LABEL text' lines)")
         if cfg.train.resume not in ("", "latest"):
             raise ConfigError("train.resume: css_lm resumes whole stages: '' or latest")
         task = load_task(cfg, cfg.train.seed)  # every file read and checked before any worker starts
         classes = len(task.train.label_names)
         if cfg.objective.num_labels not in (0, classes):
-            raise ConfigError(f"objective.num_labels: {cfg.objective.num_labels}, but {cfg.task.train} has "
+            raise ConfigError(f"objective.num_labels: {cfg.objective.num_labels}, but {task_cfg.train} has "
                               f"{classes} classes")
         cfg.objective.num_labels = classes
         if cfg.objective.method == "css_lm":
-            corpus = resolve_corpus_stream(cfg.corpus.url)
+            corpus = resolve_corpus_stream(cfg.objective.corpus.url)
             plan_epoch(load_shards(corpus), 0, cfg.train.seed, cfg.cluster.num_workers, cfg.data.loader_workers,
                        cfg.micro_batch * cfg.objective.domain_negatives)
         runs = []
@@ -63,7 +65,7 @@ def run(cfg: Config, repeats: int) -> int:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
 
-    log.info(f"[clsys] {cfg.objective.method} on {cfg.task.train}: {classes} classes, {cfg.task.shots or 'all'} "
+    log.info(f"[clsys] {cfg.objective.method} on {task_cfg.train}: {classes} classes, {task_cfg.shots or 'all'} "
              f"per class, {repeats} seed(s), {cfg.cluster.num_workers} worker(s), ZeRO stage {cfg.train.zero_stage}")
     init_ray(cfg)
     results = []
@@ -78,7 +80,7 @@ def run(cfg: Config, repeats: int) -> int:
                 return EXIT_PREEMPTED
         results.append({"seed": seeded.train.seed, "run": run, **storage.read_json(storage.join(run, RESULT))})
     tests = [r["test_accuracy"] for r in results]
-    summary = {"method": cfg.objective.method, "task": cfg.task.train, "shots": cfg.task.shots, "seeds": results,
+    summary = {"method": cfg.objective.method, "task": task_cfg.train, "shots": task_cfg.shots, "seeds": results,
                "test_accuracy_mean": statistics.mean(tests),
                "test_accuracy_std": statistics.stdev(tests) if len(tests) > 1 else 0.0}
     storage.write_json(storage.join(run_url(cfg), "summary.json"), summary)

@@ -42,15 +42,14 @@ import contextlib
 import copy
 import hashlib
 import itertools
-from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clsys.config import Config, ObjectiveConfig
+from clsys.config import Config
 from clsys.data.batch_tokenizer import BatchTokenizer
 from clsys.data.spec import DataSpec
 from clsys.data.transport import uses_fast_path
@@ -58,23 +57,9 @@ from clsys.recipes.css_lm.pair_heads import pairwise_same_label_loss
 from clsys.model.encoder import build_encoder
 from clsys.model.folder import ExportSpec
 from clsys.objectives.base import LossOutput, Objective
+from clsys.recipes.css_lm.config import CSSLMConfig
 from clsys.recipes.css_lm.bank import (GroupLayout, RetrievalBank, distributed_top_k, retrieved_group,
                                   sample_rank_positions, two_views)
-
-
-@dataclass
-class CSSLMConfig(ObjectiveConfig):
-    method: Literal["css_lm", "finetune"] = "css_lm"  # stages A, B, C; or finetune: CE on the task head (baseline)
-    stage: Literal["warmup", "css"] = "warmup"  # stage A (CE + pairwise heads) or C (css: retrieval every step)
-    num_labels: int = 0  # classes of the task; the pipeline sets it from the training data
-    k: int = 16  # sentences retrieved per query (and rank positions drawn per step)
-    domain_weight: float = 0.5  # w in s = s_C + w·s_D
-    positives_with_replacement: bool = True  # rank positions drawn with replacement (original) or a permutation
-    domain_negatives: int = 16  # random corpus sentences per query in stage A's domain loss
-    detach_after_micro_steps: int = 0  # stage A: C and D get detached views after this many forwards; 0 = never
-    classifier_dropout: float = 0.1  # both dropouts of the task head
-    bank_chunk_rows: int = 65536  # bank rows scored at once during retrieval
-    bank_refresh_every: int = 0  # stage C: re-encode the bank with the current model every N steps (0 = static, as the original)
 
 
 def task_head(hidden_size: int, num_labels: int, dropout: float) -> nn.Sequential:
