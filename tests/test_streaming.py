@@ -149,7 +149,7 @@ def test_bundles_change_nothing_but_the_transfer(tmp_path):
     total = per_epoch + 4
     loader = ShardLoader(url, collate=NoisyCollate(), bundle=1, **args)
     # The workers run dry apart, two of them inside a bundle of 5: after 27 × 3 batches, after 81 + 2 × 11.
-    assert [piece.batches for piece in loader.layout(loader.state).pieces[0]] == [50, 38, 27]
+    assert loader.plan(loader.state).worker_batches(0) == [50, 38, 27]
     single, single_states = consume(loader, total)
     for bundle in (2, 5):
         bundled, states = consume(ShardLoader(url, collate=NoisyCollate(), bundle=bundle, **args), total)

@@ -1,11 +1,22 @@
-"""The layout of an epoch over ranks and loader workers, and the loader's position in it (what checkpoints store).
+"""The plan of an epoch over ranks and loader workers, and the loader's position in it (what checkpoints store).
+
+Its nouns:
+  - *sample stream*: what one (rank, loader worker) of an epoch's first geometry reads: its shards' samples through
+    a shuffle buffer seeded with (seed, epoch, rank, worker); a fixed sequence, which any worker can replay;
+  - ``Span``: samples [start, stop) of one sample stream;
+  - ``Piece``: what one loader worker reads in a segment: spans, cut into a number of batches;
+  - ``EpochPlan``: the shards of an epoch's sample streams, and each (rank, loader worker)'s piece of them in the
+    current geometry (``plan_epoch``: in the first; ``plan_last_segment``: remapped to the last segment's);
+  - ``Segment``: a stretch of an epoch read under one geometry (ranks, loader workers, micro-batch, length grouping
+    K), with the batches every rank consumed in it;
+  - ``LoaderState``: one rank's position, which checkpoints store.
 
 How an epoch is laid out (every rank computes the same plan from the manifest, no communication):
   1. the shard list is shuffled with ``seed + epoch``;
   2. shard i goes to slot i mod (ranks × loader_workers); slot s is loader worker s // ranks of rank
      s mod ranks, so each rank gets whole shards and no shard is read twice;
-  3. each loader worker reads its shards as one sample *stream*: samples shuffled in a buffer seeded
-     with (seed, epoch, rank, worker), cut into micro-batches (a trailing partial batch is dropped);
+  3. each loader worker reads its shards as one sample stream, cut into micro-batches (a trailing partial
+     batch is dropped);
   4. every rank stops after the same number of batches: the minimum over ranks of what its
      workers can produce. Equal counts are what keeps collectives from hanging at epoch end.
 
@@ -39,18 +50,44 @@ from clsys.shards.reader import Shard
 
 
 @dataclass(frozen=True)
-class EpochPlan:
-    """Which shards each (rank, loader worker) reads in one epoch, and how many batches it yields."""
+class Span:
+    """Samples [start, stop) of the sample stream of (rank, worker) in the epoch's first geometry."""
 
-    shards: list[list[list[Shard]]]  # [rank][worker] -> shards
-    micro_batch: int
-    batches_per_rank: int = 0
+    rank: int
+    worker: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one loader worker reads in a segment: spans of sample streams, cut into ``batches`` batches. The samples
+    past them (a stream's tail short of a batch; in the last worker's piece after a remapping, all that no new
+    batch holds, which can be more than a batch) are left for a later change of geometry: hence a count, not one
+    derived from the spans."""
+
+    spans: list[Span]
+    batches: int
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What each (rank, loader worker) reads in one epoch: the shards of the first geometry's sample streams, and each
+    (rank, worker) of the current geometry's piece of them."""
+
+    shards: list[list[list[Shard]]]  # [rank][worker] of the first geometry -> the shards of its stream
+    pieces: list[list[Piece]]  # [rank][worker] of the current geometry
+
+    @property
+    def batches_per_rank(self) -> int:
+        return min(sum(piece.batches for piece in row) for row in self.pieces)
 
     def worker_batches(self, rank: int) -> list[int]:
-        return [sum(s.samples for s in shards) // self.micro_batch for shards in self.shards[rank]]
+        return [piece.batches for piece in self.pieces[rank]]
 
 
 def plan_epoch(shards: list[Shard], epoch: int, seed: int, ranks: int, workers: int, micro_batch: int) -> EpochPlan:
+    """The epoch's plan in its first geometry: each (rank, worker) reads its own stream whole."""
     slots = ranks * workers
     if len(shards) < slots:
         raise ValueError(f"too few shards: {len(shards)} shard(s) for {ranks} rank(s) × {workers} loader worker(s) "
@@ -61,11 +98,13 @@ def plan_epoch(shards: list[Shard], epoch: int, seed: int, ranks: int, workers: 
     for i, shard in enumerate(order):
         slot = i % slots
         table[slot % ranks][slot // ranks].append(shard)
-    per_rank = [sum(EpochPlan(table, micro_batch).worker_batches(r)) for r in range(ranks)]
-    if min(per_rank) == 0:
+    samples = [[sum(s.samples for s in stream) for stream in row] for row in table]
+    plan = EpochPlan(table, [[Piece([Span(r, w, 0, n)], n // micro_batch) for w, n in enumerate(row)]
+                             for r, row in enumerate(samples)])
+    if plan.batches_per_rank == 0:
         raise ValueError(f"a rank would get no batch of {micro_batch} samples in epoch {epoch}: "
-                         f"samples per rank {[sum(s.samples for w in t for s in w) for t in table]}")
-    return EpochPlan(table, micro_batch, min(per_rank))
+                         f"samples per rank {[sum(row) for row in samples]}")
+    return plan
 
 
 def round_robin_position(worker_batches: list[int], consumed: int) -> tuple[list[int], int]:
@@ -116,35 +155,6 @@ class LoaderState:
         return cls(**{**state, "segments": [Segment(**s) for s in state["segments"]]})
 
 
-@dataclass(frozen=True)
-class Span:
-    """Samples [start, stop) of the stream of (rank, worker) in the epoch's first geometry."""
-
-    rank: int
-    worker: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """What one loader worker reads in a segment: spans of streams, cut into ``batches`` batches
-    (samples beyond them are left for a later change of geometry)."""
-
-    spans: list[Span]
-    batches: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    plan: EpochPlan  # the epoch's first geometry: the shards of every stream
-    pieces: list[list[Piece]]  # [rank][worker] in the current geometry
-
-    @property
-    def batches_per_rank(self) -> int:
-        return min(sum(p.batches for p in row) for row in self.pieces)
-
-
 def _split(spans: list[Span], n: int) -> tuple[list[Span], list[Span]]:
     """The first ``n`` samples of a list of spans, and the rest."""
     head, rest = [], list(spans)
@@ -182,13 +192,12 @@ def _remap(pieces: list[list[Piece]], old: Segment, new: Segment) -> list[list[P
     return remapped
 
 
-def epoch_layout(shards: list[Shard], epoch: int, seed: int, segments: list[Segment]) -> Layout:
-    """What each (rank, loader worker) reads in the last segment of an epoch: the first geometry's
-    plan, remapped at each change of geometry."""
+def plan_last_segment(shards: list[Shard], epoch: int, seed: int, segments: list[Segment]) -> EpochPlan:
+    """The plan of an epoch as the last of ``segments`` reads it: the first geometry's plan, its pieces remapped at
+    each change of geometry."""
     first = segments[0]
     plan = plan_epoch(shards, epoch, seed, first.ranks, first.workers, first.micro_batch)
-    pieces = [[Piece([Span(r, w, 0, sum(s.samples for s in plan.shards[r][w]))], n)
-               for w, n in enumerate(plan.worker_batches(r))] for r in range(first.ranks)]
+    pieces = plan.pieces
     for old, new in zip(segments, segments[1:]):
         pieces = _remap(pieces, old, new)
-    return Layout(plan, pieces)
+    return replace(plan, pieces=pieces)

@@ -1,9 +1,16 @@
 """Streaming WebDataset shards (file:// or s3://) into per-rank batches, deterministically and resumably.
 
-Which shards each (rank, loader worker) reads in an epoch, and the position checkpoints store, are
-``clsys.data.epoch_layout``'s: each loader worker reads its shards as one sample *stream*, samples shuffled in a
-buffer seeded with (seed, epoch, rank, worker), cut into micro-batches (a trailing partial batch is dropped),
-and every rank stops after the same number of batches.
+Its nouns:
+  - ``ShardLoader``: one rank's batches of one data stream (the shards under one URL: ``sentences``,
+    ``clir/en-de``), epoch after epoch, with a position that checkpoints save and restore; ``stream_loader`` and
+    ``rank_loader`` build it from a config;
+  - ``SegmentReader``: in the trainer, the rest of the current segment of an epoch: it starts the segment's loader
+    workers, hands out their batches and advances the position;
+  - ``WorkerBatches``: the DataLoader's dataset, run in each loader worker: that worker's piece as collated batches.
+What each (rank, loader worker) reads in an epoch (``EpochPlan``, its pieces and spans of sample streams) and the
+position checkpoints store (``LoaderState``, its segments) are ``clsys.data.epoch_layout``'s: each loader worker
+reads its shards as one sample stream, cut into micro-batches (a trailing partial batch is dropped), and every rank
+stops after the same number of batches.
 
 Shards are read whole and checked before use by ``clsys.shards.reader`` (one shard per loader
 worker at a time, plus the decoded samples of the shuffle buffer). ``on_bad_sample`` says what bad
@@ -65,7 +72,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from clsys import storage
 from clsys.config import Config
 from clsys.data.batch_transport import WORKER_KEY
-from clsys.data.epoch_layout import (Layout, LoaderState, Piece, Segment, epoch_layout, plan_epoch,
+from clsys.data.epoch_layout import (EpochPlan, LoaderState, Piece, Segment, plan_epoch, plan_last_segment,
                                      round_robin_position)
 from clsys.data.spec import DataSpec
 from clsys.data.transport import Delivery, Transport, transport_for
@@ -107,14 +114,14 @@ def seed_global_rngs(seed: int, epoch: int, segment: int, rank: int, worker: int
         numpy.random.seed(value % 2**32)
 
 
-class RankStream(IterableDataset):
-    """The batches of one rank in the current segment of an epoch; each DataLoader worker reads its
-    own piece."""
+class WorkerBatches(IterableDataset):
+    """The DataLoader's dataset for one rank's segment, run in each of its loader workers: that worker's piece as
+    collated batches, past those handed out before the saved position."""
 
-    def __init__(self, layout: Layout, state: LoaderState, micro_batch: int, seed: int,
+    def __init__(self, plan: EpochPlan, state: LoaderState, micro_batch: int, seed: int,
                  collate: Callable[[list[dict]], dict], verify: bool, on_bad_sample: str,
                  lengths: Callable[[list[dict]], list[int]], transport: Transport):
-        self.layout, self.micro_batch, self.seed, self.collate = layout, micro_batch, seed, collate
+        self.plan, self.micro_batch, self.seed, self.collate = plan, micro_batch, seed, collate
         self.transport = transport  # how the batches travel to the trainer
         self.length_group, self.lengths = state.segments[-1].length_group, lengths
         self.verify, self.on_bad_sample = verify, on_bad_sample
@@ -123,10 +130,10 @@ class RankStream(IterableDataset):
         self.shuffle_buffer, self.skip, self.rotation = state.shuffle_buffer, list(state.produced), state.next_worker
 
     def _stream(self, rank: int, worker: int, skipped: collections.Counter) -> Iterator[dict]:
-        """The samples of the stream of (rank, worker): its shards through the seeded shuffle buffer."""
+        """The sample stream of (rank, worker): its shards' samples through its seeded shuffle buffer."""
         rng = random.Random(f"{self.seed}/{self.epoch}/{rank}/{worker}")
         buffer: list[dict] = []
-        for shard in self.layout.plan.shards[rank][worker]:
+        for shard in self.plan.shards[rank][worker]:
             for sample in read_shard(shard, self.verify, skipped if self.on_bad_sample == "skip" else None):
                 if len(buffer) < self.shuffle_buffer:
                     buffer.append(sample)
@@ -177,7 +184,7 @@ class RankStream(IterableDataset):
         keys, its faults and its worker."""
         info = get_worker_info()
         worker = ((info.id if info is not None else 0) + self.rotation) % len(self.skip)
-        piece, skip = self.layout.pieces[self.rank][worker], self.skip[worker]
+        piece, skip = self.plan.pieces[self.rank][worker], self.skip[worker]
         if skip >= piece.batches:
             return  # nothing left to hand out, so nothing to replay
         skipped: collections.Counter = collections.Counter()
@@ -228,9 +235,9 @@ class ShardLoader:
         segment = Segment(self.ranks, self.workers, self.micro_batch, length_group=self.length_group)
         return LoaderState(epoch, self.shuffle_buffer, [segment], self.rank, [0] * self.workers)
 
-    def layout(self, state: LoaderState) -> Layout:
+    def plan(self, state: LoaderState) -> EpochPlan:
         """What each (rank, loader worker) reads in the last segment of ``state``'s epoch."""
-        return epoch_layout(self.shards, state.epoch, self.seed, state.segments)
+        return plan_last_segment(self.shards, state.epoch, self.seed, state.segments)
 
     def state_dict(self) -> dict:
         return asdict(self.state)
@@ -242,14 +249,13 @@ class ShardLoader:
         saved = self._epoch_start(state["epoch"]) if legacy else LoaderState.from_dict(state)
         if legacy:
             saved.segments[0].batches = state["batches"]
-        layout = self.layout(saved)
-        current, limit = saved.segments[-1], layout.batches_per_rank
+        plan = self.plan(saved)
+        current, limit = saved.segments[-1], plan.batches_per_rank
         if current.batches > limit:
             raise ValueError(f"loader state at batch {current.batches} of epoch {saved.epoch}, which has "
                              f"{limit} per rank: not a state of this stream and seed")
         if legacy:
-            counts = [p.batches for p in layout.pieces[self.rank]]
-            saved.produced, saved.next_worker = round_robin_position(counts, current.batches)
+            saved.produced, saved.next_worker = round_robin_position(plan.worker_batches(self.rank), current.batches)
         if current.geometry() == (self.ranks, self.workers, self.micro_batch, self.length_group):
             if saved.rank != self.rank:
                 raise ValueError(f"the loader state of rank {saved.rank} cannot resume rank {self.rank}: "
@@ -337,14 +343,14 @@ class SegmentReader:
     def __init__(self, loader: ShardLoader, state: LoaderState, prefetch: int = 2):
         """``prefetch``: batches each loader worker keeps ready, under the fast transport."""
         self.state, self.rank = state, loader.rank
-        self.layout = loader.layout(state)
+        self.plan = loader.plan(state)
         self.delivery: Delivery | None = None  # the batches of the segment's DataLoader
         self.handed_out_at: float | None = None  # when the last batch went to the trainer
         self.step_times: collections.deque[float] = collections.deque(maxlen=256)  # the recent intervals
         self.fresh = state.segments[-1].batches == 0
-        if state.segments[-1].batches < self.layout.batches_per_rank:
-            dataset = RankStream(self.layout, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
-                                 loader.on_bad_sample, loader.lengths, loader.transport)
+        if state.segments[-1].batches < self.plan.batches_per_rank:
+            dataset = WorkerBatches(self.plan, state, loader.micro_batch, loader.seed, loader.collate, loader.verify,
+                                    loader.on_bad_sample, loader.lengths, loader.transport)
             self.delivery = loader.transport.start(dataset, loader.workers, state.next_worker, prefetch,
                                                    loader.pin_memory)
 
@@ -356,7 +362,7 @@ class SegmentReader:
 
     @property
     def half_read(self) -> bool:
-        return 2 * self.state.segments[-1].batches >= self.layout.batches_per_rank
+        return 2 * self.state.segments[-1].batches >= self.plan.batches_per_rank
 
     def __iter__(self) -> Iterator[dict]:
         state, current = self.state, self.state.segments[-1]
@@ -372,7 +378,7 @@ class SegmentReader:
                 self.step_times.append(now - self.handed_out_at)
             self.handed_out_at = now
             yield batch
-            if current.batches >= self.layout.batches_per_rank:
+            if current.batches >= self.plan.batches_per_rank:
                 break
         if self.fresh and current.batches == 0:
             raise ShardError(f"rank {self.rank} got no batch in epoch {state.epoch}: all the data it was given "
