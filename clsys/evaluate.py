@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -38,8 +37,7 @@ from clsys.eval.retrieval import (XquadSet, bundled_xquad, evaluate_bitext, eval
                              load_tatoeba, parse_articles, xquad_pair)
 from clsys.eval.sts_data import StsSet, bundled_sts, read_sts
 
-# Named, not __name__: run as `python -m clsys.evaluate` this module is __main__, outside the clsys hierarchy.
-log = logging.getLogger("clsys.evaluate")
+log = logs.module_logger(__name__, __spec__)
 
 
 def _xling_pair(spec: str) -> tuple[str, str]:

@@ -1,19 +1,20 @@
 """The one logging configuration of clsys's commands and of the processes they start (Ray workers).
 
-Every module logs to ``logging.getLogger(__name__)``: records form the ``clsys`` hierarchy (``clsys.engine.loop``,
-``clsys.storage.lease``, …) and the ``data_prep`` one. ``configure`` gives both roots their level (a command's
-``--log-level``, else ``CLSYS_LOG_LEVEL``, else INFO) and one console handler. A message carries its own prefix
-("[clsys] ", "data_prep pairs: "): the lines read as they always have. Records below WARNING go to the command's
-progress stream: stdout for the trainer (Ray forwards a worker's stdout with its "(RayTrainWorker pid=…)" prefix),
-stderr where stdout is the command's result (evaluation tables, data_prep's summaries); warnings and errors go to
-stderr. The driver hands its level to Ray workers in their environment (``clsys.engine.launch``), and each worker
-configures itself with this same function.
+Every module logs to ``logging.getLogger(__name__)``, a command's module to ``module_logger(__name__, __spec__)``:
+records form the ``clsys`` hierarchy (``clsys.engine.loop``, ``clsys.storage.lease``, …) and the ``data_prep`` one.
+``configure`` gives both roots their level (a command's ``--log-level``, else ``CLSYS_LOG_LEVEL``, else INFO) and
+one console handler. A message carries its own prefix ("[clsys] ", "data_prep pairs: "): the lines read as they
+always have. Records below WARNING go to the command's progress stream: stdout for the trainer (Ray forwards a
+worker's stdout with its "(RayTrainWorker pid=…)" prefix), stderr where stdout is the command's result (evaluation
+tables, data_prep's summaries); warnings and errors go to stderr. The driver hands its level to Ray workers in their
+environment (``clsys.engine.launch``), and each worker configures itself with this same function.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from importlib.machinery import ModuleSpec
 
 LEVEL_ENV = "CLSYS_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -36,6 +37,14 @@ class ConsoleHandler(logging.Handler):
             stream.flush()
         except Exception:
             self.handleError(record)
+
+
+def module_logger(name: str, spec: ModuleSpec | None) -> logging.Logger:
+    """The logger of the module whose ``__name__`` and ``__spec__`` these are, for a module that also runs as a
+    command: run as ``python -m clsys.pretrain`` its ``__name__`` is ``__main__``, outside the hierarchy that
+    ``configure`` gives a level and a handler, while its ``__spec__`` still names it. Without a spec (a module
+    run by its file's path), ``__name__``."""
+    return logging.getLogger(spec.name if spec is not None else name)
 
 
 def resolve_level(option: str | None = None) -> str:

@@ -26,7 +26,6 @@ import argparse
 import collections
 import dataclasses
 import hashlib
-import logging
 import math
 import os
 import sys
@@ -55,8 +54,7 @@ from clsys.shards.reader import COMPRESSED, Shard, ShardError, load_shards, read
 from clsys.shards.writer import ShardWriter
 from clsys.storage import StorageError
 
-# Named, not __name__: run as `python -m clsys.mine` this module is __main__, outside the clsys hierarchy.
-log = logging.getLogger("clsys.mine")
+log = logs.module_logger(__name__, __spec__)
 
 PROG = "clsys.mine"
 # Non-secret settings the workers need; credentials come from each worker's own environment or role, never

@@ -16,7 +16,6 @@ step and stop; the driver then exits with code 75 and ``--resume latest`` contin
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import sys
@@ -32,8 +31,7 @@ from clsys.storage.lease import Lease
 from clsys.engine.preemption import EXIT_PREEMPTED, clear_stop_marker, install_stop_handlers
 from clsys.recipes import HOMES, load_config
 
-# Named, not __name__: run as `python -m clsys.pretrain` this module is __main__, outside the clsys hierarchy.
-log = logging.getLogger("clsys.pretrain")
+log = logs.module_logger(__name__, __spec__)
 
 SEEDED = [name for name, home in HOMES.items() if home.runs_seeds]  # recipes that take --repeats N > 1
 

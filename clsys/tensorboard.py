@@ -15,7 +15,6 @@ folder is served in place.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -26,8 +25,7 @@ import time
 from clsys import logs, storage
 from clsys.metrics.event_sync import LOG_FOLDER
 
-# Named, not __name__: run as `python -m clsys.tensorboard` this module is __main__, outside the clsys hierarchy.
-log = logging.getLogger("clsys.tensorboard")
+log = logs.module_logger(__name__, __spec__)
 
 def _log_objects(url: str) -> dict[str, tuple[str, int]]:
     """Event objects to serve: local relative path -> (object URL, size).

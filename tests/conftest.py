@@ -25,8 +25,9 @@ from clsys.engine.launch import free_loopback_port as free_port  # noqa: E402  (
 # The files of the ``slow`` tests (Ray clusters, DeepSpeed runs): two thirds of the suite's time, during which
 # ~30% of two cores sit idle while the tests wait on processes.
 SLOW_FILES = {"tests/test_clir_pipeline.py", "tests/test_css_pipeline.py", "tests/test_fault_tolerance.py",
-              "tests/test_local_cluster.py", "tests/test_mine.py", "tests/test_pairs_objective.py",
-              "tests/test_pretrain.py", "tests/test_slurm.py", "tests/test_source_mixing.py"}
+              "tests/test_local_cluster.py", "tests/test_logs.py", "tests/test_mine.py",
+              "tests/test_pairs_objective.py", "tests/test_pretrain.py", "tests/test_slurm.py",
+              "tests/test_source_mixing.py"}
 # Of those, the files `make test` runs in one pytest-xdist worker, in this order, while the other worker takes the
 # many short tests and test_pretrain.py's among them. With every slow file in the one worker, the other was done at
 # 13.5 min and the slow files went on alone to 27.6 (2026-11-28). The local-cluster and SLURM tests come last, once the

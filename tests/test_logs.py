@@ -1,9 +1,11 @@
 """clsys.logs: one configuration for every command and Ray worker; importing clsys.pretrain sets nothing."""
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -53,3 +55,46 @@ def test_progress_goes_to_its_stream_warnings_to_stderr_each_line_once(capsys):
     engine.debug("[clsys] train.zero_stage auto: 0")
     out, err = capsys.readouterr()
     assert out == "" and err == "[clsys] train.zero_stage auto: 0\n"
+
+
+@pytest.fixture(scope="module")
+def wiki_shards(tmp_path_factory) -> str:
+    """sentences/ from the bundled dump, as the quickstart reads them."""
+    out = tmp_path_factory.mktemp("shards")
+    dumps = sorted(glob.glob(os.path.join(REPO, "data_prep", "samples", "*.bz2")))
+    subprocess.run([sys.executable, "-m", "data_prep", "wiki", "--input", *dumps, "--out", str(out)], cwd=REPO,
+                   capture_output=True, check=True)
+    return str(out)
+
+
+# What only a Ray Train worker logs, at DEBUG: what the quickstart's train.precision and train.zero_stage auto
+# became on its device, and how its loader was set up. Ray forwards the worker's stdout behind its prefix.
+WORKER_DEBUG = (r"\(RayTrainWorker pid=\d+[^)]*\) \[clsys\] train\.precision auto: ",
+                r"\(RayTrainWorker pid=\d+[^)]*\) \[clsys\] train\.zero_stage auto: ",
+                r"\(RayTrainWorker pid=\d+[^)]*\) \[clsys\] rank 0 loader: ")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
+def test_the_drivers_debug_level_reaches_the_ray_train_workers(wiki_shards, tiny_bert_with_heads, tmp_path):
+    """`python -m clsys.pretrain --log-level DEBUG`: the workers log their decisions to the driver's console; the
+    same run at the default level does not. One step of the small random BERT on one worker, twice (~28 s a run
+    on 2 cores, on the module's shared Ray cluster)."""
+    env = {k: v for k, v in os.environ.items() if k != logs.LEVEL_ENV}  # the default level is the option's absence
+
+    def console(name: str, *level: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "clsys.pretrain", *level, f"data.url={wiki_shards}",
+                               f"model.name={tiny_bert_with_heads}", f"train.run_root={tmp_path}", f"train.name={name}",
+                               "train.steps=1", "train.batch_size=8", "train.ckpt_every=1", "cluster.num_workers=1",
+                               "cluster.cpus_per_worker=1", "eval.sts_dev=", "eval.sts_test=", "eval.heatmap_text="],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # Ray colours its worker prefix
+
+    debug = console("debug", "--log-level", "DEBUG")
+    assert [line for line in WORKER_DEBUG if not re.search(line, debug)] == [], debug[-3000:]
+    # The driver's own line, from clsys.pretrain's logger: its name is the module's under `python -m` too.
+    assert "[clsys] run " in debug
+    info = console("info")
+    assert [line for line in WORKER_DEBUG if re.search(line, info)] == [], info[-3000:]
+    assert "[clsys] run " in info
