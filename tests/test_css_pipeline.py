@@ -5,6 +5,7 @@ on S3, 1 worker at ZeRO stage 0 resuming by stage and within one, and the plain 
 the exported classifier reproduces the reported accuracy."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -16,7 +17,8 @@ from clsys import storage
 from clsys.recipes import load_config
 from clsys.recipes.css_lm.corpus import bank_sentences, corpus_texts, resolve_corpus_stream
 from clsys.recipes.css_lm.pipeline import stage_config
-from clsys.recipes.css_lm.stage import epoch_rows
+from clsys.recipes.css_lm.stage import FewShotBatches, epoch_rows
+from clsys.data.labeled import LabeledSet
 from clsys.model.encoder import load_tokenizer
 from clsys.pretrain import main as pretrain_main
 from clsys.recipes.css_lm.bank import load_all
@@ -38,6 +40,31 @@ def test_epoch_rows_are_a_seeded_permutation_cycled_to_whole_batches(examples, b
     if examples > 3:
         assert rows != epoch_rows(examples, batch, seed=1, epoch=1)
         assert rows != epoch_rows(examples, batch, seed=2, epoch=0)
+
+
+def test_few_shot_batches_deal_each_global_batch_over_ranks_and_resume_where_they_stopped():
+    """Every optimizer step's micro-batches, over ranks and accumulation steps, are one global batch of the epoch's
+    rows, in order; a loader built from a saved position hands out what the first would have next."""
+    train = LabeledSet([f"text {i}" for i in range(10)], [i % 3 for i in range(10)], ["a", "b", "c"], "train.tsv")
+    cfg = load_config("css_lm", ["train.batch_size=4", "cluster.num_workers=2", "train.grad_accum=2", "train.seed=7"])
+
+    def collate(texts, labels, corpus):
+        assert corpus is None
+        return {"texts": texts, "labels": labels}
+
+    ranks = [iter(FewShotBatches(train, collate, cfg, rank, 2, None)) for rank in range(2)]
+    for epoch in range(2):  # 3 steps an epoch (10 rows → 12, cycled), each 2 micro-batches × 2 ranks of 1 row
+        rows = epoch_rows(10, 4, seed=7, epoch=epoch)
+        for step in range(3):
+            dealt = [next(ranks[rank])["keys"] for a in range(2) for rank in range(2)]  # (a·world + rank) order
+            assert dealt == [[f"train.tsv#{i}"] for i in rows[4 * step:4 * step + 4]]
+    first = FewShotBatches(train, collate, cfg, 1, 2, None)
+    batches = iter(first)
+    for _ in range(5):
+        next(batches)
+    again = FewShotBatches(train, collate, cfg, 1, 2, None)
+    again.load_state_dict(first.state_dict())
+    assert [b["keys"] for b in itertools.islice(again, 8)] == [next(batches)["keys"] for _ in range(8)]
 
 
 def test_stage_configs():

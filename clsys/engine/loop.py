@@ -7,7 +7,7 @@ log, evaluate, checkpoint; stop at ``train.steps`` or on request.
 
 What it trains is a ``Stage``: how the objective, the batches and the evaluation are built. The default is the
 step loop's (the objective ``objective.name`` names, its shard streams, ``eval.*``); a recipe that trains in
-stages gives each stage its own and runs one Trainer per stage (``clsys.recipes.css_lm.pipeline``).
+stages gives each stage its own and runs one Trainer per stage (a recipe home's, ``clsys.recipes.home``).
 
 A checkpoint holds, besides DeepSpeed's model, optimizer and schedule, each rank's *parts* by name
 (``Trainer.parts``): ``rng`` (the global RNG streams), ``loader`` (the stream's position), ``sources`` (the steps
@@ -126,7 +126,7 @@ class SampleKeys:
 
 class Stage:
     """What a Trainer trains: how it builds its objective, its batches and its evaluation, and what it does after a
-    step. This one is the step loop's; a recipe's stage overrides what differs (``clsys.recipes.css_lm.stage``)."""
+    step. This one is the step loop's; a recipe's stage overrides what differs."""
 
     def objective(self, cfg: Config, tokenizer) -> Objective:
         """Built with the same seed on every rank (the Trainer seeds first)."""

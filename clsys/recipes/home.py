@@ -2,8 +2,10 @@
 
 Most recipes are an objective (``clsys.objectives``) trained by the step loop. A recipe whose training is more
 than steps (stages, a retrieval bank, seeds averaged) keeps everything of its own in a home package named
-after its objective, whose ``HOME`` says what the CLIs may ask of it. ``clsys.recipes`` finds the homes by
-looking at its own sub-packages, so no code outside a home names its recipe.
+after its objective, whose ``HOME`` says what the CLIs may ask of it. Its driver still trains with the one training
+loop: each of its stages is a run of ``clsys.engine.loop.Trainer`` given a ``Stage`` of its own (the objective, the
+batches, the evaluation). ``clsys.recipes`` finds the homes by looking at its own sub-packages, so no code outside a
+home names its recipe.
 """
 from __future__ import annotations
 
