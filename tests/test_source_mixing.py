@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from clsys.config import ConfigError
 from clsys.data.mixing import SOURCE, StreamMixer, mix_sources, size_weights, source_streams
@@ -317,13 +318,19 @@ def _train(rank: int, port: int, tiny: str, root: str, runs: str, world: int) ->
               "train.zero_stage=0", "train.precision=fp32", "optim.schedule=constant", "train.log_every=1",
               "train.ckpt_every=2", "train.log_sample_keys=true", "train.async_checkpoint=false", "eval.sts_dev=",
               "eval.select=", f"train.run_root={runs}"]
-    if world == 1:
-        Trainer(load_config(None, [*common, "train.name=shrunk", "train.steps=6", "train.resume=latest"]), None).run()
-        return
-    Trainer(load_config(None, [*common, "train.name=straight", "train.steps=6"]), None).run()
-    Trainer(load_config(None, [*common, "train.name=stopped", "train.steps=4"]), None).run()
-    Trainer(load_config(None, [*common, "train.name=stopped", "train.steps=6", "train.resume=latest"]), None).run()
-    Trainer(load_config(None, [*common, "train.name=shrunk", "train.steps=4"]), None).run()
+    try:
+        if world == 1:
+            Trainer(load_config(None, [*common, "train.name=shrunk", "train.steps=6", "train.resume=latest"]),
+                    None).run()
+            return
+        Trainer(load_config(None, [*common, "train.name=straight", "train.steps=6"]), None).run()
+        Trainer(load_config(None, [*common, "train.name=stopped", "train.steps=4"]), None).run()
+        Trainer(load_config(None, [*common, "train.name=stopped", "train.steps=6", "train.resume=latest"]), None).run()
+        Trainer(load_config(None, [*common, "train.name=shrunk", "train.steps=4"]), None).run()
+    finally:
+        # As Ray Train does when a run ends: a process group left to the interpreter's exit was seen once to abort
+        # the process there ("terminate called without an active exception": torch's destruction order at exit).
+        dist.destroy_process_group()
 
 
 def source_scalars(run: Path) -> dict[str, dict[int, float]]:
