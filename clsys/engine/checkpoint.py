@@ -151,8 +151,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def prune(run_url: str, keep: int, protect: str | None = None) -> None:
-    """Delete the complete checkpoints older than the newest ``keep``, except ``protect`` (the best one)."""
-    for _, old in complete_checkpoints(run_url)[:-keep]:
+    """Delete the complete checkpoints older than the newest ``keep`` (0: every one), except ``protect`` (the best
+    one)."""
+    complete = complete_checkpoints(run_url)
+    for _, old in complete[:len(complete) - keep]:
         if old != protect:
             delete_checkpoint(old)
 

@@ -144,9 +144,7 @@ class Worker:
                       "dev_accuracy": chosen["dev_accuracy"], "test_accuracy": chosen["test_accuracy"],
                       "seconds": round(time.perf_counter() - started, 1)}
             storage.write_json(storage.join(out, RESULT), result)  # the stage is complete
-            for _, url in checkpoint.complete_checkpoints(out):  # only the best is read again
-                if url != best.checkpoint:
-                    checkpoint.delete_checkpoint(url)
+            checkpoint.prune(out, 0, protect=best.checkpoint)  # only the best is read again
             self.log(f"{label}: best dev {result['dev_accuracy']:.4f} at epoch {result['best_epoch']}, "
                      f"test there {result['test_accuracy']:.4f}")
         dist.barrier()
