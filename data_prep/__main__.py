@@ -6,10 +6,11 @@ stage (``align``, ``manifest``, ``pairs``, ``tokenizer``, ``tokenize``, ``triple
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from clsys import logs
-from data_prep import __version__, align, manifest, pairs, pretokenize, tokenizer, triplets, wiki
+from data_prep import __version__, align, cli, manifest, pairs, pretokenize, tokenizer, triplets, wiki
 
 COMMANDS = {
     "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),
@@ -34,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(run=module.main)
     args = parser.parse_args(argv)
     logs.configure(args.log_level, progress_stream="stderr")  # stdout is each command's summary of what it wrote
-    return args.run(args)
+    try:
+        with cli.stop_on_sigterm():
+            return args.run(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, once the command's cleanup has run: one line, 128 + N
+        sig = signal.SIGTERM if isinstance(stop, cli.Stopped) else signal.SIGINT
+        return cli.fail(args.command, f"stopped by {sig.name}", 128 + sig)
 
 
 if __name__ == "__main__":

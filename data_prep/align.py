@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import multiprocessing
 import os
 import random
 import re
@@ -50,6 +49,7 @@ from clsys.shards.manifest import previous_shas
 from clsys.shards.writer import ShardWriter
 from data_prep.bz2_streams import DumpError, TruncatedDump
 from data_prep.dumps import DumpReader
+from data_prep.process_pool import ProcessPool, WorkerDied
 from data_prep.wiki_tasks import PageTask, ordered_map, process_page
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class AlignJob:
                 log.warning(f"data_prep align: warning: skipped malformed line {message}")
         for dump in self.dumps.values():
             self._index_pass(dump)
-        pool = multiprocessing.Pool(self.args.workers) if self.args.workers > 1 else None
+        pool = ProcessPool(self.args.workers) if self.args.workers > 1 else None
         try:
             for dump in self.dumps.values():
                 self._text_pass(dump, pool)
@@ -361,7 +361,8 @@ def _open_inputs(args: argparse.Namespace) -> tuple[dict[str, DumpIndex], dict[s
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``align``; returns the exit code (0 ok, 2 unusable input, nothing aligned, or storage error)."""
+    """Run ``align``; returns the exit code (0 ok, 1 a worker died, 2 unusable input, nothing aligned, or storage
+    error)."""
     start = time.time()
     try:
         storage.check_bucket(args.out)
@@ -387,6 +388,8 @@ def main(args: argparse.Namespace) -> int:
             rows = [_write_pair(args, tmp, job, related, *result) for result in results]
     except (ValueError, DumpError, LanglinksError, StorageError) as err:
         return cli.fail("align", str(err))
+    except WorkerDied as err:
+        return cli.fail("align", str(err), cli.WORKER_DIED)
     _summary(rows, time.time() - start)
     return 0
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from clsys import storage
 
@@ -55,6 +57,29 @@ def out_problem(out: str, writes: Iterable[str], reads: Iterable[str]) -> str | 
                 return (f"--out {out}: {what} is, holds or lies inside the input {read}; writing there would "
                         f"replace what is being read: choose an --out apart from every input")
     return None
+
+
+WORKER_DIED = 1  # the exit code of a run stopped by a worker process or Ray actor that died (``WorkerDied``)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (a scheduler's, ``kill``), raised in the main thread as Ctrl-C's ``KeyboardInterrupt`` is: the
+    run's ``finally`` blocks end its workers and remove its unfinished files on the way out."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises ``Stopped`` while the command runs; the handler before is put back after (the tests run
+    commands in their own process)."""
+    before = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def fail(command: str, message: str, code: int = 2) -> int:

@@ -35,12 +35,13 @@ from tqdm import tqdm
 from clsys import storage
 from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS
 from clsys.shards.manifest import previous_shas
-from clsys.shards.writer import write_manifest
+from clsys.shards.writer import remove_staged, write_manifest
 from clsys.storage import StorageError
 from data_prep import __version__, cli
 from data_prep.pairs_read import PairsInput, Unreadable, check_source, default_source, open_input, read_parts
 from data_prep.pairs_rows import DIGEST_BYTES, SKIP_REASONS, InputError, PartResult
 from data_prep.pairs_worker import PairsWorker, WrittenShards
+from data_prep.process_pool import WorkerDied
 from data_prep.ray_pool import RayPool
 from data_prep.stateful_pool import StatefulPool
 from data_prep.wiki_tasks import ordered_map
@@ -119,7 +120,8 @@ class PairsJob:
             if dropped:
                 duplicates[source] = dropped
             if pairs > len(dropped) and (worker, source) not in self.told:
-                if source not in self.previous:
+                if source not in self.previous:  # the run's first pair of the source: no worker writes it yet
+                    remove_staged(self.url(source))  # an earlier run's, killed or failed
                     self.previous[source] = previous_shas(self.url(source))
                 previous[source] = self.previous[source]
                 self.told.add((worker, source))
@@ -152,6 +154,8 @@ class PairsJob:
         finally:
             bar.close()
             pool.terminate()
+            for source in self.previous:  # what a failed run's writers, ended above, were building
+                remove_staged(self.url(source))
 
     def write_manifest(self, source: str) -> str:
         """The stream's manifest, listing every worker's shards in worker order: its source's counts, and every
@@ -200,7 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``pairs``; returns the exit code (0 ok, 2 a bad input or row, no pairs, or a storage error)."""
+    """Run ``pairs``; returns the exit code (0 ok, 1 a worker died, 2 a bad input or row, no pairs, or a storage
+    error)."""
     start = time.time()
     try:
         if args.source is not None:
@@ -239,6 +244,8 @@ def main(args: argparse.Namespace) -> int:
             urls = {source: job.write_manifest(source) for source in written}
     except (InputError, StorageError) as err:
         return cli.fail("pairs", str(err))
+    except WorkerDied as err:
+        return cli.fail("pairs", str(err), cli.WORKER_DIED)
     except OSError as err:  # shards are built in a local temporary folder before they are uploaded
         return cli.fail("pairs", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
                                  f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")

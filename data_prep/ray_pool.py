@@ -13,16 +13,19 @@ pages: the dumps of several languages are then read at once, none of them by the
 A task that fails is run again, up to ``MAX_RETRIES`` times: when its worker process or node dies (Ray does
 that for every task), and when it raises a storage error that outlived ``clsys.storage``'s own retries.
 Other exceptions (a ``BadIndex``, a bug) are not retried: they reach the driver as the task raised them.
-An actor (``actors``) is not restarted: what it held is gone with it, so its next call fails the run.
+An actor (``actors``) is not restarted: what it held is gone with it, so its next call fails the run with a
+``WorkerDied`` naming it, as a dead worker process does.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Iterator
 
 from clsys.engine.launch import init_ray_for_tasks
 from clsys.storage import StorageError
+from data_prep.process_pool import WorkerDied
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,10 @@ def _stream_task(fn, *args):
 
 
 class _Result:
-    def __init__(self, ref):
-        self.ref = ref
+    """A task's or an actor call's result; ``name``: what messages call the actor ("worker 1 of 2")."""
+
+    def __init__(self, ref, name: str = "a Ray actor"):
+        self.ref, self.name = ref, name
 
     def get(self):
         import ray
@@ -76,6 +81,17 @@ class _Result:
             # The task's own exception, as a pool worker's would arrive: the driver reports a BadIndex or a
             # StorageError in one line; the remote traceback stays attached for anything else.
             raise err.cause from err
+        except ray.exceptions.RayActorError as err:
+            raise actor_died(self.name, str(err)) from None
+
+
+def actor_died(name: str, message: str) -> WorkerDied:
+    """A dead actor, in one line: where it ran, out of Ray's message of several lines (``ActorDiedError``'s pid and
+    ip lines, when it has them)."""
+    where = dict(re.findall(r"^\s*(pid|ip): (\S+)$", message, re.M))
+    at = f", pid {where['pid']}" * ("pid" in where) + f" on {where['ip']}" * ("ip" in where)
+    return WorkerDied(f"{name} (a Ray actor{at}) died: its process was killed (kill -9, or the OOM killer when "
+                      "memory ran out) or crashed, or its node was lost; the node's Ray logs say which")
 
 
 class RayPool:
@@ -109,10 +125,11 @@ class RayPool:
         return [remote.remote(*args) for args in arguments]
 
     @staticmethod
-    def call(actor, method: str, args: tuple) -> _Result:
+    def call(actor, method: str, args: tuple, name: str) -> _Result:
         """``actor.method(*args)``, run after the calls made to it before (Ray runs one caller's calls to an
-        actor in order); an ``ObjectRef`` among ``args`` reaches it as its object."""
-        return _Result(getattr(actor, method).remote(*args))
+        actor in order); an ``ObjectRef`` among ``args`` reaches it as its object. ``name``: what a message
+        calls the actor if it died."""
+        return _Result(getattr(actor, method).remote(*args), name)
 
     def stream(self, fn, args: tuple, ahead: int) -> Iterator:
         """Run the generator ``fn(*args)`` as one Ray task: references to what it yields, in order, to pass

@@ -5,17 +5,19 @@ parts until the main process says which of them are new pairs, and write them to
 ``apply_async``, so the main process runs the same bounded, ordered map as over ``data_prep wiki``'s stateless
 workers. The k-th ``apply_async`` goes to worker ``k % size``: which worker gets a task depends on its place in
 the input alone, and so does what each worker writes. ``submit`` calls one worker. A worker runs its calls one
-at a time, in the order they were made: a process of its own (a ``multiprocessing.Pool`` of one), a Ray actor
+at a time, in the order they were made: a process of its own (a ``process_pool.ProcessPool`` of one), a Ray actor
 (``RayPool.actors``), or, for one worker without Ray, this process.
 
 A worker whose call failed answers every later call with that failure (its state is no longer what they
-expect): the main process learns of a failed call it did not wait for at the worker's next answer.
+expect): the main process learns of a failed call it did not wait for at the worker's next answer. A worker
+that dies is not replaced (its state is gone with it): its next answer, or the next call made to it, raises
+``WorkerDied`` naming it ("worker 1 of 2").
 """
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any, Callable
 
+from data_prep.process_pool import ProcessPool
 from data_prep.ray_pool import RayPool
 
 
@@ -83,10 +85,14 @@ class StatefulPool:
         if ray is not None:
             self._actors = ray.actors(Served, [(make, i, self.size) for i in range(self.size)])
         elif workers > 1:
-            self._pools = [multiprocessing.Pool(1, _start, (make, i, self.size)) for i in range(workers)]
+            self._pools = [ProcessPool(1, self.name(i), _start, (make, i, self.size)) for i in range(workers)]
         else:
             self._here = Served(make, 0, 1)
         self._calls = 0
+
+    def name(self, worker: int) -> str:
+        """What messages call ``worker``."""
+        return f"worker {worker} of {self.size}"
 
     def worker(self, call: int) -> int:
         """The worker that the ``call``-th ``apply_async`` (from 0) goes to: they take turns."""
@@ -101,7 +107,7 @@ class StatefulPool:
     def submit(self, worker: int, fn: Callable, args: tuple):
         """``fn(state, *args)`` on ``worker``, after the calls made to it before; ``get()`` its value."""
         if self.ray is not None:
-            return self.ray.call(self._actors[worker], "run", (fn, *args))
+            return self.ray.call(self._actors[worker], "run", (fn, *args), self.name(worker))
         if self.size > 1:
             return self._pools[worker].apply_async(_run, (fn, args))
         return _Done(self._here, fn, args)

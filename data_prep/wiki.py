@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import multiprocessing
 import os
 import re
 import sys
@@ -48,6 +47,7 @@ from data_prep import __version__, cli
 from data_prep.bz2_streams import (BadIndex, DumpError, TruncatedDump, check_index, index_blocks,
                                    read_bz2_stream)
 from data_prep.dumps import DumpReader
+from data_prep.process_pool import ProcessPool, WorkerDied
 from data_prep.ray_pool import RayPool
 from clsys.shards.manifest import previous_shas
 from clsys.shards.blocks import MAX_BLOCK_RECORDS
@@ -239,7 +239,7 @@ class WikiJob:
             slots = pool.slots
         else:
             slots = workers or 1
-            pool = multiprocessing.Pool(slots) if slots > 1 else None
+            pool = ProcessPool(slots) if slots > 1 else None
         # After the pool: rates leave out the start of a local Ray cluster (seconds).
         self.bar = tqdm(unit=" pages", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
         self.start = time.time()
@@ -366,7 +366,8 @@ def find_dumps(inputs: list[str]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``wiki``; returns the exit code (0 ok, 2 unusable input, index or storage, 3 truncated or corrupt input)."""
+    """Run ``wiki``; returns the exit code (0 ok, 1 a worker died, 2 unusable input, index or storage, 3 truncated or
+    corrupt input)."""
     start = time.time()
     try:
         storage.check_bucket(args.out)
@@ -430,6 +431,8 @@ def main(args: argparse.Namespace) -> int:
                     for name, writer in writers.items()}
     except (StorageError, BadIndex) as err:  # a BadIndex found while reading: no manifest is written
         return cli.fail("wiki", str(err))
+    except WorkerDied as err:
+        return cli.fail("wiki", str(err), cli.WORKER_DIED)
     except OSError as err:  # shards are built in a local temporary folder before they are uploaded
         return cli.fail("wiki", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
                                 f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")

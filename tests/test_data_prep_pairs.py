@@ -339,16 +339,21 @@ def test_a_damaged_parquet_row_group_is_an_error_naming_it_or_counted(tmp_path, 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_failed_run_leaves_no_manifest(workers, tmp_path, capsys, monkeypatch):
     """Shards of the parts before the bad row are published (small parts, small shards), but no manifest:
-    a stream folder without one is incomplete. Two workers: the error raised in a worker process reaches the
-    main process as it was raised."""
+    a stream folder without one is incomplete, and no shard it was building (``shard-….tar.tmp-PID``) stays, nor
+    one that an earlier, killed run left. Two workers: the error raised in a worker process reaches the main
+    process as it was raised."""
     monkeypatch.setattr(pairs_read, "PART_BYTES", 4096)
     good = "".join(json.dumps({"query": f"query {i}", "positive": f"positive {i} " * 5}) + "\n" for i in range(2000))
     (tmp_path / "a.jsonl").write_text(good + '{"query": "q", "positive": ["p", {"x": 1}]}\n')
+    stream = tmp_path / "out" / "pairs" / "a"
+    stream.mkdir(parents=True)
+    (stream / "shard-001-000007.tar.tmp-99999").write_bytes(b"a killed run's")
     code, _, err = run(capsys, "--input", tmp_path / "a.jsonl", "--out", tmp_path / "out", "--shard-size-mb", 0.02,
                        "--shuffle-window-mb", 0, "--block-records", 16, "--workers", workers)
     assert code == 2
     assert f"error: {tmp_path / 'a.jsonl'}:2001: column 'positive': item 1 is an object, not a string" in err
-    assert len(list((tmp_path / "out" / "pairs" / "a").glob("shard-*.tar"))) > 3
+    assert len(list(stream.glob("shard-*.tar"))) > 3
+    assert sorted(stream.glob("*.tmp-*")) == []
     assert manifests(tmp_path / "out") == []
 
 

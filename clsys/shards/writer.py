@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import random
+import re
 import tarfile
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,8 @@ GZIP_LEVEL = 1
 # with it the one process that writes a data_prep run's shards, for a 64 MiB shard at a time. More finished
 # shards than this wait for the oldest, which bounds the staged files (on local disk, for object storage).
 PUBLISHING = 4
+# A shard being built beside its destination (a local stream): ``storage.staging_path``'s name for it.
+_STAGED_SHARD = re.compile(r"shard-[\w-]+\.tar(\.gz)?\.tmp-\d+")
 
 
 def ustar_header(name: str, size: int) -> bytes:
@@ -376,6 +379,16 @@ class ShardWriter:
         self._wait_published()
         return write_manifest(self.url, self.shards, self.samples, FORMAT_V2 if self.block_records else FORMAT, extra,
                               self.previous)
+
+
+def remove_staged(url: str) -> None:
+    """Delete the shards being built in the local stream folder ``url`` (``shard-….tar.tmp-PID``): those of a run
+    that failed or was killed, which no writer will finish. Only while no writer of the stream is running. A
+    stream in object storage has none: its shards are built in a local temporary folder."""
+    if storage.is_local(url):
+        for file_url in storage.list_prefix(url):
+            if _STAGED_SHARD.fullmatch(file_url.rpartition("/")[2]):
+                storage.delete(file_url)
 
 
 def write_manifest(url: str, shards: list[ShardInfo], samples: int, fmt: str, extra: dict,
