@@ -1,4 +1,4 @@
-"""data_prep wiki --ray (and, last, data_prep pairs --ray): a real local Ray cluster (2 CPUs, all on 127.0.0.1)
+"""data_prep wiki --ray (and, last, data_prep pairs --ray, an actor killed too): a real local Ray cluster (2 CPUs, all on 127.0.0.1)
 that each run joins through RAY_ADDRESS, as under `ray job submit`; multistream dumps and their indexes in a real
 moto S3 server (127.0.0.1), read by the tasks with ranged reads; shards written to it. The output must be the
 one-process run's (pairs: the run's with as many worker processes as the cluster has CPUs), byte for byte."""
@@ -7,6 +7,8 @@ from __future__ import annotations
 import bz2
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from test_data_prep import SAMPLE, run_cli, small_dump
 from test_data_prep_multistream import write_multistream
 from test_data_prep_languages import DUMPS, LANGS
 from test_data_prep_pairs import FORMATS, big_input, stream_files, write_parquet
+from test_data_prep_workers import big_jsonl, wait_for
 
 SHARD_MB = "0.05"  # several shards a stream, so that their order matters
 
@@ -201,3 +204,26 @@ def test_pairs_ray_equals_two_worker_processes(ray_env, tmp_path):
         assert result.returncode == 0, result.stderr
     assert f"data_prep pairs: 2 tasks at a time on the Ray cluster at {ray_env['RAY_ADDRESS']}" in result.stderr
     assert stream_files(outs[("--workers", "2")]) == stream_files(outs[("--ray",)])
+
+
+def test_pairs_ray_a_killed_actor_stops_the_run_in_one_line(ray_env, tmp_path):
+    """kill -9 of the actor building a shard (its pid ends the staged file's name): the run stops within seconds
+    with one line naming the actor (exit 1), no traceback, no manifest."""
+    big_jsonl(tmp_path / "big.jsonl", 15)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "data_prep", "pairs", "--ray", "--input", tmp_path / "big.jsonl",
+                             "--out", out, "--shard-size-mb", "1", "--shuffle-window-mb", "0"],
+                            cwd=Path(__file__).parents[1], env={**os.environ, **ray_env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        staged = wait_for(lambda: sorted((out / "pairs" / "big").glob("*.tmp-*")))
+        actor = int(staged[0].name.rpartition("-")[2])
+        os.kill(actor, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert re.search(rf"^data_prep pairs: error: worker [01] of 2 \(a Ray actor, pid {actor} on 127\.0\.0\.1\) "
+                     r"died: its process was killed \(kill -9, or the OOM killer", err, re.M), err
+    assert "Traceback" not in err, err
+    assert list(out.rglob("manifest.json")) == []
