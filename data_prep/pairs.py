@@ -120,8 +120,7 @@ class PairsJob:
             if dropped:
                 duplicates[source] = dropped
             if pairs > len(dropped) and (worker, source) not in self.told:
-                if source not in self.previous:  # the run's first pair of the source: no worker writes it yet
-                    remove_staged(self.url(source))  # an earlier run's, killed or failed
+                if source not in self.previous:
                     self.previous[source] = previous_shas(self.url(source))
                 previous[source] = self.previous[source]
                 self.told.add((worker, source))
@@ -154,7 +153,9 @@ class PairsJob:
         finally:
             bar.close()
             pool.terminate()
-            for source in self.previous:  # what a failed run's writers, ended above, were building
+            # What a failed run's writers, ended above, were building, and what an earlier run killed with
+            # kill -9 (whose own cleanup never ran) left in the streams of this one.
+            for source in self.previous:
                 remove_staged(self.url(source))
 
     def write_manifest(self, source: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from data_prep.__main__ import main
 from test_data_prep import ROOT, SAMPLE
 
 
@@ -68,7 +69,7 @@ def test_pairs_worker_killed_or_run_stopped_ends_every_process_and_leaves_no_sta
     """Once a worker is writing a shard: kill -9 of that worker fails the run with one line naming it (exit 1);
     SIGTERM of the main process stops it (exit 143). Either way: no traceback, both workers gone, no staged shard
     and no manifest left."""
-    big_jsonl(tmp_path / "big.jsonl", 40)
+    big_jsonl(tmp_path / "big.jsonl", 25)
     out = tmp_path / "out"
     proc = start("pairs", "--input", tmp_path / "big.jsonl", "--out", out, "--workers", 2, "--shard-size-mb", 1,
                  "--shuffle-window-mb", 0)
@@ -105,7 +106,7 @@ def test_wiki_worker_killed_fails_the_run_within_seconds(tmp_path):
     assert list((tmp_path / "out").rglob("manifest.json")) == []
 
 
-def test_a_run_removes_the_staged_shards_an_earlier_one_left_and_never_lists_them(tmp_path):
+def test_a_run_removes_the_staged_shards_an_earlier_one_left_and_never_lists_them(tmp_path, capsys):
     """Shards a killed run was building (one worker's and two workers' names, plain and gzip) are gone once a
     new run writes the stream; its manifest lists its shards alone."""
     big_jsonl(tmp_path / "s.jsonl", 0.01)
@@ -114,8 +115,6 @@ def test_a_run_removes_the_staged_shards_an_earlier_one_left_and_never_lists_the
     stale = ["shard-000000.tar.tmp-4242", "shard-001-000003.tar.gz.tmp-17"]
     for name in stale:
         (stream / name).write_bytes(b"half a shard")
-    result = subprocess.run([sys.executable, "-m", "data_prep", "pairs", "--input", tmp_path / "s.jsonl", "--out",
-                             tmp_path / "out"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    assert main(["pairs", "--input", str(tmp_path / "s.jsonl"), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr()
     assert sorted(p.name for p in stream.iterdir()) == ["manifest.json", "shard-000000.tar"]
     assert [s["name"] for s in json.loads((stream / "manifest.json").read_text())["shards"]] == ["shard-000000.tar"]
