@@ -23,8 +23,8 @@ from data_prep.ray_pool import RayPool
 
 class Served:
     """Worker ``index`` of ``size``: its state (``make(index, size)``) and the first failure of a call on it, or
-    of ``make`` itself: raised by the next call rather than here, where a pool process would fail to start again
-    and again."""
+    of ``make`` itself: raised by the next call rather than here, where it would break the worker's pool and read
+    as a worker that died."""
 
     def __init__(self, make: Callable[[int, int], Any], index: int, size: int):
         self.state: Any = None

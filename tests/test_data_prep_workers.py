@@ -1,9 +1,9 @@
 """data_prep's worker processes dying, and runs stopped: a worker killed with kill -9 (what the OOM killer does)
 fails the run within seconds with one line naming it (``data_prep pairs`` and ``data_prep wiki``), and every
 other process of the run ends; SIGTERM of the main process ends its workers too; neither leaves a staged shard
-(``shard-….tar.tmp-PID``) in the output. Real commands (``python -m data_prep``) in subprocesses, real
-signals. A bad row and a stale staged shard: tests/test_data_prep_pairs.py; a Ray actor killed:
-tests/test_data_prep_ray.py."""
+(``shard-….tar.tmp-PID``) in the output, and a run removes those an earlier one left. Real commands
+(``python -m data_prep``) in subprocesses, real signals. A bad row: tests/test_data_prep_pairs.py; a Ray actor
+killed: tests/test_data_prep_ray.py."""
 from __future__ import annotations
 
 import json
