@@ -92,7 +92,7 @@ class StatefulPool:
 
     def name(self, worker: int) -> str:
         """What messages call ``worker``."""
-        return f"worker {worker} of {self.size}"
+        return f"worker {worker + 1} of {self.size}"
 
     def worker(self, call: int) -> int:
         """The worker that the ``call``-th ``apply_async`` (from 0) goes to: they take turns."""

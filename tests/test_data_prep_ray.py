@@ -223,7 +223,7 @@ def test_pairs_ray_a_killed_actor_stops_the_run_in_one_line(ray_env, tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 1, err
-    assert re.search(rf"^data_prep pairs: error: worker [01] of 2 \(a Ray actor, pid {actor} on 127\.0\.0\.1\) "
+    assert re.search(rf"^data_prep pairs: error: worker [12] of 2 \(a Ray actor, pid {actor} on 127\.0\.0\.1\) "
                      r"died: its process was killed \(kill -9, or the OOM killer", err, re.M), err
     assert "Traceback" not in err, err
     assert list(out.rglob("manifest.json")) == []

@@ -82,7 +82,7 @@ def test_pairs_worker_killed_or_run_stopped_ends_every_process_and_leaves_no_sta
     code, err = finish(proc, workers, within=15)
     if killed == "a worker":
         assert code == 1, err
-        assert re.search(rf"^data_prep pairs: error: worker [01] of 2 \(pid {writer}\) died: killed by SIGKILL "
+        assert re.search(rf"^data_prep pairs: error: worker [12] of 2 \(pid {writer}\) died: killed by SIGKILL "
                          r"\(kill -9, or the OOM killer", err, re.M), err
     else:
         assert code == 143, err
