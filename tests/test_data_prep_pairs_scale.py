@@ -126,8 +126,7 @@ def test_a_source_column_naming_more_sources_than_the_cap_is_refused(tmp_path, c
         assert not (tmp_path / "out" / "pairs").exists()
     code, _, err = run(capsys, "--input", tmp_path / "many.jsonl", "--out", tmp_path / "out", "--max-sources", 3,
                        "--workers", 2)
-    assert code == 2 and f"many.jsonl:4: column 'source': 's3' would be source 4 of this run, over --max-sources 3" \
-                          in err
+    assert code == 2 and "many.jsonl:4: column 'source': 's3' would be source 4 of this run, over --max-sources 3" in err
     code, _, err = run(capsys, "--input", tmp_path / "three.jsonl", "--out", tmp_path / "out", "--max-sources", 3)
     assert code == 0, err
     assert len(manifests(tmp_path / "out")) == 3
