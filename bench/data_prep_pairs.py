@@ -1,4 +1,4 @@
-"""``data_prep pairs`` on a generated JSONL file: input MB/s with 1 and 2 processes, and what dedup costs a pair.
+"""``data_prep pairs`` on a generated JSONL file: input MB/s with 1 and 2 processes.
 
     python bench/data_prep_pairs.py [--mb 75] [--repeat 3] [--work-dir /tmp/pairs-bench]
 
@@ -15,8 +15,8 @@ seconds and the machine's idle core-seconds during it, over its wall seconds: on
 jobs, 2 processes cannot run at 2× one on fewer than 2), peak RSS of the largest process and peak summed PSS
 of the tree; the load average before and after. Every run must write the same pairs (read back, compared as
 a sorted list) with the same counts, and the runs of one N identical manifests. Then ``ratio
-pairs_2w_over_1w`` (MB/s of 2 processes over 1; the target is ≥ 1.7) and the memory a pair's digest takes in
-the main process's set of seen pairs (tracemalloc over 10^6 digests). Not part of the test suite.
+pairs_2w_over_1w`` (MB/s of 2 processes over 1; the target is ≥ 1.7). Memory: ``bench/pairs_memory.py``. Not
+part of the test suite.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import sys
-import tracemalloc
 from pathlib import Path
 
 from clsys.shards.reader import load_shards, read_shard
@@ -60,16 +59,6 @@ def build_input(path: Path, target_bytes: int) -> int:
             size += len(line.encode())
     tmp.rename(path)
     return len(lines)
-
-
-def digest_bytes(n: int = 10**6) -> float:
-    """Bytes of memory a pair's 16-byte digest takes in a set, as data_prep pairs keeps them."""
-    tracemalloc.start()  # what is live at the end: the digests and the set's table
-    seen = {hashlib.sha256(i.to_bytes(8, "little")).digest()[:16] for i in range(n)}
-    size = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    assert len(seen) == n
-    return size / n
 
 
 def pairs_written(stream: Path) -> str:
@@ -125,7 +114,6 @@ def main() -> None:
         print("  ".join(f"{v:>11}" for v in row))
     print("load average after: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"ratio pairs_2w_over_1w {best[1].wall_s / best[2].wall_s:.2f} (target >= 1.7)")
-    print(f"dedup: {digest_bytes():.0f} bytes of memory a pair (16-byte digests in a set)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_
 first, then cut into parts by ``pairs_read`` (in this process, or with ``--ray`` by a streaming task per input)
 and dealt in turn to the workers (``pairs_worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
 Ray actors with ``--ray``, or this process for one worker). A worker turns a part's rows into records (as
-``pairs_rows`` says a row means), keeps them, and answers with their 16-byte digests and counts. This process
+``pairs_rows`` says a row means), keeps them, and answers with their 8-byte digests and counts. This process
 takes the answers in input order (``wiki_tasks.ordered_map``, as ``data_prep wiki`` does), holds the digests of
 every source's pairs so far, counts, and tells each worker which of its part's pairs are duplicates: exact
 duplicates are dropped across the whole input, whichever workers read them. The worker writes the others with
@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from tqdm import tqdm
 
 from clsys import storage
@@ -39,7 +40,8 @@ from clsys.shards.writer import remove_staged, write_manifest
 from clsys.storage import StorageError
 from data_prep import __version__, cli
 from data_prep.pairs_read import PairsInput, Unreadable, check_source, default_source, open_input, read_parts
-from data_prep.pairs_rows import DIGEST_BYTES, SKIP_REASONS, InputError, PartResult
+from data_prep.pairs_dedup import DIGEST, DigestSet
+from data_prep.pairs_rows import SKIP_REASONS, InputError, PartResult
 from data_prep.pairs_worker import PairsWorker, WrittenShards
 from data_prep.process_pool import WorkerDied
 from data_prep.ray_pool import RayPool
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 COUNTS = ("rows", "pairs", "duplicates", "query_line_breaks")  # a source's counts, before its skip reasons
 WARNINGS = 5  # skipped rows whose message is printed
+MAX_SOURCES = 256  # --max-sources' default: far more than a training mix names, far fewer than a runaway column
 
 
 @dataclasses.dataclass
@@ -69,9 +72,8 @@ class PairsJob:
 
     def __init__(self, args: argparse.Namespace, tmp_dir: str, reports: list[InputReport]):
         self.args, self.tmp_dir, self.reports = args, tmp_dir, reports
-        # 16-byte digests of the pairs written, per source: 83 bytes of memory a pair (the bytes object and its
-        # set slot; bench/data_prep_pairs.py), what dropping duplicates costs.
-        self.seen: dict[str, set[bytes]] = {}
+        # The digests of the pairs written, per source (8 bytes a pair, 16 at most: bench/pairs_memory.py).
+        self.seen: dict[str, DigestSet] = {}
         self.counts: dict[str, dict[str, int]] = {}
         # Per source with pairs: its old manifest's shards, read before any worker writes to it; the workers
         # told them so far, as (worker, source).
@@ -96,6 +98,7 @@ class PairsJob:
         against every pair before it. Returns what ``PairsWorker.admit`` takes: the places of its duplicates
         per source, and the old manifest's shards of each source that ``worker`` is to write first."""
         report = self.reports[result.input]
+        self.check_sources(result, report)
         for source, counter in result.counts.items():
             counts = self.source_counts(source)
             for key, n in counter.items():
@@ -106,14 +109,11 @@ class PairsJob:
                     report.skipped[key] += n
         duplicates, previous = {}, {}
         for source, digests in result.digests.items():
-            seen, dropped = self.seen.setdefault(source, set()), []
-            pairs = len(digests) // DIGEST_BYTES
-            for i in range(pairs):
-                digest = bytes(digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES])
-                if digest in seen:
-                    dropped.append(i)
-                else:
-                    seen.add(digest)
+            seen = self.seen.get(source)
+            if seen is None:
+                seen = self.seen[source] = DigestSet()
+            pairs = len(digests) // DIGEST.itemsize
+            dropped = seen.add(np.frombuffer(digests, DIGEST)).tolist()
             counts = self.source_counts(source)
             counts["pairs"] += pairs - len(dropped)
             counts["duplicates"] += len(dropped)
@@ -127,6 +127,20 @@ class PairsJob:
         self.skipped_messages += sum(v for c in result.counts.values() for k, v in c.items() if k in SKIP_REASONS)
         self.messages += result.messages[:WARNINGS - len(self.messages)]
         return duplicates, previous
+
+    def check_sources(self, result: PartResult, report: InputReport) -> None:
+        """``InputError`` naming the first row of the part's first source past ``--max-sources``: each is a
+        stream, with its own shard files and shuffle window in every worker that writes it (a 1 MB file naming
+        20,000 sources wrote 40,000 files in 165 s), so a source column that names without end stops the run."""
+        new = [source for source in result.counts if source not in self.counts]
+        most = self.args.max_sources
+        if len(self.counts) + len(new) <= most:
+            return
+        source = new[most - len(self.counts)]
+        where = result.first_rows.get(source, report.file)
+        what = f"source {source!r} (the input's)" if source == report.source else f"column 'source': {source!r}"
+        raise InputError(f"{where}: {what} would be source {most + 1} of this run, over --max-sources {most} (a "
+                         "stream, a shuffle window and shard files each): raise --max-sources if the data means it")
 
     def run(self, inputs: list[PairsInput]) -> None:
         """Every input's parts in input order, dealt to the workers in turn (processes, Ray actors, or this
@@ -180,6 +194,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", metavar="NAME",
                    help="the source of every input (default: each file's name without its extension); a row's "
                         "'source' column overrides it")
+    p.add_argument("--max-sources", type=cli.positive(int), default=MAX_SOURCES, metavar="N",
+                   help="stop the run (exit 2, naming the row) at a source beyond the first N of the run: each source "
+                        f"is a stream, with shard files and a shuffle window of its own (default: {MAX_SOURCES})")
     p.add_argument("--skip-bad", action="store_true",
                    help="count bad rows and unreadable inputs (by reason, in the manifests and the summary) instead "
                         "of stopping at the first with an error")
@@ -192,11 +209,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "CPUs")
     p.add_argument("--shard-size-mb", type=cli.positive(float), default=64.0, metavar="N",
                    help="roll shards over at this size in MiB, fractions allowed (default: 64)")
-    p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=2.0, metavar="N",
-                   help="each worker writes its pairs of each stream in a seeded shuffled order, N MiB of queries "
-                        "at a time (counted as the queries' bytes + 16 a pair, so a window holds ~30,000 pairs of "
-                        "50-byte queries a MiB, all their positives and negatives in the worker's memory; 0: input "
-                        "order; default: 2)")
+    p.add_argument("--shuffle-window-mb", type=cli.positive(float, allow_zero=True), default=64.0, metavar="N",
+                   help="each worker writes its pairs of each stream in a seeded shuffled order, a window at a time; "
+                        "its windows, one a stream, hold N MiB together, a pair counted as the characters of its "
+                        "query, positive, negatives, source and instruction + 16 (64 MiB: ~30,000 pairs of 2 KB); "
+                        "0: input order (default: 64)")
     p.add_argument("--block-records", type=cli.positive(int, most=MAX_BLOCK_RECORDS), default=256, metavar="N",
                    help="pairs per tar sample of the shards (format 2; default: 256)")
     p.add_argument("--compress", choices=("none", "gzip"), default="none",

@@ -6,7 +6,7 @@ task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL,
 start and end: the worker reads the bytes itself), one row group of a Parquet file (its rows read by the worker
 itself), record batches of an Arrow IPC file (a Hugging Face ``save_to_disk`` folder holds such files). A worker
 (``process_part``) reads a part's rows, each as a dict of column → value, and hands them to ``pairs_rows``,
-which finds their columns, checks their values and makes their records, each with the 16-byte digest that the
+which finds their columns, checks their values and makes their records, each with the 8-byte digest that the
 main process drops exact duplicates by, and counts what it skips.
 
 Memory: a part is at most ``PART_BYTES`` of text (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -338,6 +339,9 @@ def process_part(part: Part) -> PartResult:
             if not inp.skip_bad:
                 raise InputError(message) from None
             result.skip(err.source or inp.source, err.reason, message)
+        if new := len(result.counts) - len(result.first_rows):  # sources new to the part: counted last
+            for source in itertools.islice(reversed(result.counts), new):
+                result.first_rows[source] = _where(part, number)
     return result
 
 

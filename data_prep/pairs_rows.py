@@ -4,7 +4,7 @@ Columns are found by name, case-insensitively (``ROLES``): a query, a positive (
 as in FlagEmbedding's ``{"query", "pos": [...], "neg": [...]}``: one pair per positive), negatives (one column
 holding a list, or string columns ``negative``, ``negative_1`` … ``negative_N``), and optional ``source`` and
 ``instruction`` columns. Two columns that mean the same thing are an error naming both. Whatever the format
-(``pairs_read`` reads each), a row arrives here as a dict of column → value, and gives its pairs with the 16-byte
+(``pairs_read`` reads each), a row arrives here as a dict of column → value, and gives its pairs with the 8-byte
 digest that the main process drops exact duplicates by (``add_row``), or a ``RowError`` saying why it gives none.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ SKIP_REASONS = ("bad_line", "missing_query", "missing_positive", "wrong_type", "
                 "ambiguous_columns", "unreadable")
 LINE_BREAK = re.compile(r"\r\n?|\n")  # a format 2 text is one line: a query's line breaks become spaces
 MESSAGES_PER_PART = 5  # skipped rows' messages a part reports (the rest are counted)
-DIGEST_BYTES = 16  # of a pair's SHA-256 (``add_row``): what the main process keeps of each distinct pair
+DIGEST_BYTES = 8  # of a pair's SHA-256 (``add_row``): what the main process keeps of each distinct pair
 
 
 class InputError(Exception):
@@ -108,13 +108,15 @@ def header_columns(names: list[str], where: str) -> Columns:
 class PartResult:
     """A part's pairs per source, in input order: their digests (``DIGEST_BYTES`` each, end to end) and their
     records (which stay in the worker: the main process gets the rest); its counts per source (``rows``,
-    ``query_line_breaks`` and skip reasons); the first skipped rows' messages."""
+    ``query_line_breaks`` and skip reasons), and where each source's first row is (``--max-sources`` names
+    it); the first skipped rows' messages."""
 
     input: int
     nbytes: int
     digests: dict[str, bytearray] = field(default_factory=dict)
     records: dict[str, list[Record]] = field(default_factory=dict)
     counts: dict[str, collections.Counter] = field(default_factory=dict)
+    first_rows: dict[str, str] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
 
     def count(self, source: str, key: str) -> None:
@@ -218,8 +220,8 @@ def add_row(result: PartResult, values: dict, columns: Columns, source: str, lis
         result.count(source, "query_line_breaks")
     # The digest: the number of fields and each one's length, then the fields (the query, the instruction, the
     # negatives), then each positive in turn (the rest of the bytes): no two rows give the same bytes. SHA-256
-    # (3.3 µs a 2 KB pair with the CPU's SHA instructions, blake2b 5.2), cut to 16 bytes: a collision among
-    # 10^12 pairs has a chance of about 10^-15.
+    # (3.3 µs a 2 KB pair with the CPU's SHA instructions, blake2b 5.2), cut to DIGEST_BYTES (its chance of
+    # a collision: ``pairs_dedup``).
     encoded = _encoded([(columns.query, query), (columns.instruction, instruction), *negatives,
                         *((columns.positive, p) for p in positives)], source)
     fields = encoded[:2 + len(negatives)]

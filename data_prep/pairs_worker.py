@@ -2,12 +2,13 @@
 actor, or the main process when there is one worker).
 
 A worker parses the parts the main process deals it (``parse``: ``pairs_read.process_part``) and answers with
-their pairs' 16-byte digests and their counts, keeping the records. The main process, which holds every digest
+their pairs' 8-byte digests and their counts, keeping the records. The main process, which holds every digest
 seen, takes the answers in input order and tells the worker which of a part's pairs are duplicates
 (``admit``); the worker hands the others to its own ``ShardWriter`` for their source, as ``wiki``'s main process
-does its sentences: shuffled by ``--shuffle-window-mb`` windows, blocks of ``--block-records``, in shards named
-``shard-<worker>-NNNNNN`` (one worker: ``shard-NNNNNN``, as every stream's). So the records cross no process boundary, only parts (to the worker) and digests
-(back). ``close`` finishes the shards and says what they are; the main process writes the manifests.
+does its sentences: shuffled in windows that hold ``--shuffle-window-mb`` together (one ``WindowBudget`` for all
+its sources), blocks of ``--block-records``, in shards named ``shard-<worker>-NNNNNN`` (one worker:
+``shard-NNNNNN``, as every stream's). So the records cross no process boundary, only parts (to the worker) and
+digests (back). ``close`` finishes the shards and says what they are; the main process writes the manifests.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import shutil
 from clsys import storage
 from clsys.shards.blocks import Record
 from clsys.shards.manifest import ShardInfo
-from clsys.shards.writer import ShardWriter
+from clsys.shards.writer import ShardWriter, WindowBudget
 from data_prep.pairs_read import Part, process_part
 from data_prep.pairs_rows import PartResult
 
@@ -48,6 +49,9 @@ class PairsWorker:
         self.held: collections.deque[dict[str, list[Record]]] = collections.deque()
         self.previous: dict[str, dict[str, str]] = {}  # source → its old manifest's shards (name → sha256)
         self.writers: dict[str, ShardWriter] = {}
+        # Its writers' shuffle windows together hold --shuffle-window-mb, however many sources it writes.
+        window = int(args.shuffle_window_mb * 2**20)
+        self.windows = WindowBudget(window) if window else None
 
     def parse(self, part: Part) -> PartResult:
         """A part's rows → its result, its records held here until ``admit``: the answer is the rest."""
@@ -74,7 +78,7 @@ class PairsWorker:
             writer = self.writers[source] = ShardWriter(
                 storage.join(args.out, "pairs", source), self.tmp_dir, int(args.shard_size_mb * 2**20),
                 self.previous[source], int(args.shuffle_window_mb * 2**20), args.seed, args.block_records,
-                args.compress == "gzip", self.shard_prefix)
+                args.compress == "gzip", self.shard_prefix, self.windows)
         return writer
 
     def close(self) -> dict[str, WrittenShards]:

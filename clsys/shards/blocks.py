@@ -30,8 +30,7 @@ FORMAT_V2 = "clsys-shards/2"
 # take a single byte of a block (an empty text is a line feed), so a block's size does not bound its records
 # while they are built: an 8 KB .tar.gz counting 4,000,000 records took 1.86 GiB of a loader worker.
 MAX_BLOCK_RECORDS = 1 << 14
-RECORD_OVERHEAD = 16  # bytes a record adds to its block besides its text (line feed, metadata), roughly:
-# what the writer's shuffle window counts a record as, with its text's length
+RECORD_OVERHEAD = 16  # bytes a record adds to its block besides its text and metadata values, roughly
 
 
 def encode_ids(ids: list[int]) -> bytes:
@@ -52,6 +51,21 @@ class Record(NamedTuple):
     text: str
     meta: dict[str, Any]
     ids: list[int] | None = None
+
+
+def record_bytes(record: Record) -> int:
+    """What a writer's shuffle window counts a record as: every character of its text and of its metadata's
+    strings (lists of strings too: a pair's negatives), 8 a number, 4 a token id, and ``RECORD_OVERHEAD``.
+    Counting the text alone let a window of short queries hold their long positives without bound."""
+    size = len(record.text) + RECORD_OVERHEAD + 4 * len(record.ids or ())
+    for value in record.meta.values():
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, list):
+            size += sum(len(item) if isinstance(item, str) else 8 for item in value)
+        else:
+            size += 8
+    return size
 
 
 class BlockError(ValueError):

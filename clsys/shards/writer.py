@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, NoReturn
 
 from clsys import storage
-from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS, RECORD_OVERHEAD, Record, block_members
+from clsys.shards.blocks import FORMAT_V2, MAX_BLOCK_RECORDS, Record, block_members, record_bytes
 from clsys.shards.manifest import FORMAT, MANIFEST, ShardInfo
 from clsys.storage import StorageError
 
@@ -104,7 +104,19 @@ def encode_sample(key: str, text: str, meta: dict, extra: dict[str, bytes] | Non
     return encode_members(key, {"json": encode_meta(meta), "txt": text.encode(), **(extra or {})})
 
 
-@dataclass
+@dataclass(eq=False)
+class WindowBudget:
+    """The bytes that the shuffle windows of several writers hold together, at most ``limit`` (plus the record
+    or sample that reaches it): when one brings their total to ``limit``, the writer whose window holds the
+    most (the first of them made, on a tie) writes its window out. A ``data_prep pairs`` worker's writers, one a
+    source, share one, so that its memory does not grow with the sources; a writer alone has its own."""
+
+    limit: int
+    held: int = 0
+    writers: list[ShardWriter] = field(default_factory=list, repr=False)
+
+
+@dataclass(eq=False)
 class ShardWriter:
     """Writes samples (``key`` + ``txt`` + ``json``, plus any ``extra`` members) into rolling tar shards under ``url``.
 
@@ -115,8 +127,9 @@ class ShardWriter:
     for them. ``previous`` maps shard names to the
     sha256 the existing manifest lists, to skip re-uploading identical shards.
 
-    ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar) have come,
-    then written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
+    ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar; format 2:
+    ``blocks.record_bytes``) have come, or, with a shared ``budget``, until the windows of all its writers hold
+    its ``limit`` and this one holds the most; then they are written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
     number. Input in document order (a Wikipedia article's sentences one after another) then reaches
     the shards mixed across every document of the window, so a training batch, drawn through the
     loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
@@ -147,6 +160,7 @@ class ShardWriter:
     block_records: int = 0
     compress: bool = False
     shard_prefix: str = "shard-"
+    budget: WindowBudget | None = field(default=None, repr=False)  # None: one of its own, of ``shuffle_window``
     shards: list[ShardInfo] = field(default_factory=list, init=False)
     uploaded: int = field(default=0, init=False)
     unchanged: int = field(default=0, init=False)
@@ -173,6 +187,10 @@ class ShardWriter:
         if self.block_records > MAX_BLOCK_RECORDS:  # before any input is read: every block would be refused
             raise ValueError(f"block_records {self.block_records:,}: a block holds at most {MAX_BLOCK_RECORDS:,} "
                              "records (readers refuse larger ones)")
+        if self.shuffle_window:
+            if self.budget is None:
+                self.budget = WindowBudget(self.shuffle_window)
+            self.budget.writers.append(self)
 
     @property
     def samples(self) -> int:
@@ -186,15 +204,13 @@ class ShardWriter:
 
     def write_records(self, records: list[Record]) -> None:
         """Format 2: records in order (an article's: a call per article). A window is cut into blocks right
-        after the record that brings it to ``shuffle_window`` bytes (its text's length and ``RECORD_OVERHEAD``)."""
+        after the record that brings the budget to its limit (each counted as ``record_bytes``)."""
         if not self.block_records:
             raise TypeError("write_records writes format 2 blocks: make the writer with block_records > 0")
         for record in records:
             self._window.append(record)
-            self._window_size += len(record.text) + RECORD_OVERHEAD
             if self.shuffle_window:
-                if self._window_size >= self.shuffle_window:
-                    self._write_window()
+                self._hold(record_bytes(record))
             elif len(self._window) >= self.block_records:
                 self._write_window()
 
@@ -213,15 +229,23 @@ class ShardWriter:
             self._append(samples)
             return
         size = sum(map(len, samples))
-        if self._window_size + size < self.shuffle_window:  # nearly always: the window is not full yet
+        if self.budget.held + size < self.budget.limit:  # nearly always: the windows are not full yet
             self._window += samples
             self._window_size += size
+            self.budget.held += size
             return
         for sample in samples:
             self._window.append(sample)
-            self._window_size += len(sample)
-            if self._window_size >= self.shuffle_window:
-                self._write_window()
+            self._hold(len(sample))
+
+    def _hold(self, size: int) -> None:
+        """The window's newest sample or record, of ``size`` bytes: the budget's largest window is written out
+        when it brings the budget to its limit."""
+        self._window_size += size
+        budget = self.budget
+        budget.held += size
+        if budget.held >= budget.limit:
+            max(budget.writers, key=lambda writer: writer._window_size)._write_window()
 
     def _write_window(self) -> None:
         # A string seed is hashed with SHA-512 by random.Random: the same order on every machine and run.
@@ -233,6 +257,8 @@ class ShardWriter:
                                  for i in range(0, len(self._window), self.block_records)])
         else:
             self._append(self._window)
+        if self.budget is not None:
+            self.budget.held -= self._window_size
         self._window, self._window_size, self._windows = [], 0, self._windows + 1
 
     def _append_blocks(self, blocks: list[list[Record]]) -> None:
