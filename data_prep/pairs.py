@@ -1,6 +1,7 @@
 """``python -m data_prep pairs``: (query, positive, negatives) data → one format 2 stream per source.
 
-Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_to_disk`` folder) are checked
+Inputs (JSONL, CSV/TSV with a header, plain or gzip/zstd compressed, Parquet, Arrow IPC, a Hugging Face
+``save_to_disk`` folder) are checked
 first, then cut into parts by ``pairs_read`` (in this process, or with ``--ray`` by a streaming task per input)
 and dealt in turn to the workers (``pairs_worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
 Ray actors with ``--ray``, or this process for one worker). A worker turns a part's rows into records (as
@@ -168,8 +169,9 @@ class PairsJob:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="pairs data: .jsonl/.json (JSON lines), .csv, .tsv (a header line), .parquet, .arrow, or a "
-                        "Hugging Face datasets save_to_disk folder; local paths")
+                   help="pairs data: .jsonl/.json (JSON lines), .csv, .tsv (a header line), each also compressed "
+                        "(.jsonl.gz, .csv.zst, ...), .parquet, .arrow, or a Hugging Face datasets save_to_disk "
+                        "folder; local paths")
     p.add_argument("--out", required=True, metavar="URL",
                    help="output root: s3://bucket/prefix, file:///abs or a path; streams go to OUT/pairs/<source>")
     p.add_argument("--source", metavar="NAME",
