@@ -1,7 +1,6 @@
 """``python -m data_prep pairs``: (query, positive, negatives) data → one format 2 stream per source.
 
-Inputs (JSONL, CSV/TSV with a header, plain or gzip/zstd compressed, Parquet, Arrow IPC, a Hugging Face
-``save_to_disk`` folder) are checked
+Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_to_disk`` folder) are checked
 first, then cut into parts by ``pairs_read`` (in this process, or with ``--ray`` by a streaming task per input)
 and dealt in turn to the workers (``pairs_worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
 Ray actors with ``--ray``, or this process for one worker). A worker turns a part's rows into records (as

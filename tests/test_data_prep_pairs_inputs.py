@@ -29,7 +29,8 @@ def data_prep(*argv) -> subprocess.CompletedProcess:
 
 def test_json_nested_too_deep_is_a_bad_row(tmp_path):
     """A JSONL line holding a 100,000-deep list as a value, one that is nothing else, and a CSV cell of negatives
-    holding one: each an error naming its line without --skip-bad (one line, no traceback), counted with it."""
+    holding one: each an error naming its line without --skip-bad (one line, no traceback), counted with it;
+    an old manifest as deep in the output is replaced as any unreadable one is."""
     jsonl, table = tmp_path / "a.jsonl", tmp_path / "b.csv"
     jsonl.write_text(GOOD + '{"query": "q", "positive": "p", "neg": ' + DEEP + "}\n" + DEEP + "\n")
     table.write_text(f"query,positive,negatives\ngood,p,[]\nq,p,{DEEP}\n")
@@ -40,6 +41,9 @@ def test_json_nested_too_deep_is_a_bad_row(tmp_path):
         errors = [line for line in result.stderr.splitlines() if "error" in line]  # the rest: the progress bar
         assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert errors[0].startswith(f"data_prep pairs: error: {path}{message}") and len(errors[0]) < 500, errors
+    # An old manifest where a stream goes, nested as deep: unreadable, so replaced (the run reads it first).
+    (tmp_path / "out" / "pairs" / "a").mkdir(parents=True)
+    (tmp_path / "out" / "pairs" / "a" / "manifest.json").write_text(DEEP)
     result = data_prep("--input", jsonl, table, "--out", tmp_path / "out", "--skip-bad", "--workers", 2)
     assert result.returncode == 0, result.stderr[-2000:]
     for source, reason, skipped in (("a", "bad_line", 2), ("b", "wrong_type", 1)):
