@@ -10,10 +10,10 @@ itself), record batches of an Arrow IPC file (a Hugging Face ``save_to_disk`` fo
 which finds their columns, checks their values and makes their records, each with the 16-byte digest that the
 main process drops exact duplicates by, and counts what it skips.
 
-Memory: a part is at most ``PART_BYTES`` of text (decompressed) (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
-group, or record batches up to ``PART_BYTES``; at most ``2 × workers`` parts are in flight, a worker holding
-the records of its own until the main process admits them. Nothing is unpickled that this program did not
-pickle itself: Arrow IPC is read with pyarrow.
+Memory: a part is at most ``PART_BYTES`` of text, decompressed (or one line, up to ``MAX_LINE_BYTES``), one
+Parquet row group, or record batches up to ``PART_BYTES``; at most ``2 × workers`` parts are in flight, a
+worker holding the records of its own until the main process admits them. Nothing is unpickled that this
+program did not pickle itself: Arrow IPC is read with pyarrow.
 """
 from __future__ import annotations
 
@@ -63,8 +63,6 @@ def default_source(path: str, given: str | None) -> str:
     """``--source``, else the file's name without its extension (a compressed file's: without both; a folder's
     name)."""
     return given or os.path.splitext(uncompressed_name(os.path.basename(os.path.normpath(path))))[0]
-
-
 
 
 def check_source(path: str, source: str, given: bool) -> None:
@@ -175,8 +173,8 @@ class Part:
     """A piece of one input for one worker. ``first``: the line (text formats) or row (tables) it starts at,
     from 1. Text: the ``nbytes`` from ``offset``, whole lines (CSV: whole records), which the worker reads from
     the file itself, or (a compressed file) those lines as ``data`` and ``nbytes`` the file's bytes read for
-    them (what the progress bar counts); Parquet: ``row_group``; Arrow: ``batches``. ``error``: the piece could not be read
-    (``--skip-bad``: counted as ``unreadable``)."""
+    them (what the progress bar counts); Parquet: ``row_group``; Arrow: ``batches``. ``error``: the piece could
+    not be read (``--skip-bad``: counted as ``unreadable``)."""
 
     input: PairsInput
     file: str
