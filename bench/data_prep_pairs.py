@@ -1,11 +1,12 @@
 """``data_prep pairs`` on a generated JSONL file: input MB/s with 1 and 2 processes.
 
-    python bench/data_prep_pairs.py [--mb 75] [--repeat 3] [--work-dir /tmp/pairs-bench]
+    python bench/data_prep_pairs.py [--mb 75] [--repeat 3] [--compress none|gz|zst] [--work-dir /tmp/pairs-bench]
 
 The input: --mb MB (10^6 bytes) of JSON lines ``{"query", "positive", "negatives": [3]}`` whose texts are
 words drawn with a fixed seed from a vocabulary of 5,000 made-up words (a query 5-15 words, a passage 50-90:
 ~2.1 KB a line, about MS MARCO's hard-negative rows), 1% of the lines repeating an earlier one (dropped as
-duplicates); built once and cached in --work-dir. ``python -m data_prep pairs`` runs on it as a subprocess
+duplicates); built once and cached in --work-dir, and with --compress gzip or zstd compressed (level 3), read
+as such. ``python -m data_prep pairs`` runs on it as a subprocess
 with ``--workers 1`` (one process doing everything) and ``--workers 2`` (two worker processes that read and
 parse the parts dealt to them and write their own shards, and the main one, which cuts the input into parts
 and drops duplicates by the digests the workers send), alternating, --repeat times each; a row is the run
@@ -21,6 +22,7 @@ part of the test suite.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -61,6 +63,14 @@ def build_input(path: Path, target_bytes: int) -> int:
     return len(lines)
 
 
+def compressed(data: bytes, how: str) -> bytes:
+    if how == "gz":
+        return gzip.compress(data, compresslevel=3)
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=3).compress(data)
+
+
 def pairs_written(stream: Path) -> str:
     """The sha256 of a stream's pairs, sorted: the same for any order and any shards they are written in."""
     lines = sorted(json.dumps([s["txt"], s["json"]], sort_keys=True) for shard in load_shards(str(stream), "pairs")
@@ -72,14 +82,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=75.0, help="input size in MB (default: 75)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each process count (default: 3)")
+    parser.add_argument("--compress", choices=("none", "gz", "zst"), default="none",
+                        help="read the input gzip or zstd compressed (default: none)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/pairs-bench"))
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    path = args.work_dir / f"pairs-{args.mb:g}MB.jsonl"
-    if not path.exists():
-        print(f"building {path} ...", flush=True)
-        build_input(path, int(args.mb * MB))
-    size = path.stat().st_size
+    plain = path = args.work_dir / f"pairs-{args.mb:g}MB.jsonl"
+    if not plain.exists():
+        print(f"building {plain} ...", flush=True)
+        build_input(plain, int(args.mb * MB))
+    if args.compress != "none":
+        path = plain.with_name(f"{plain.name}.{args.compress}")
+        if not path.exists():
+            path.write_bytes(compressed(plain.read_bytes(), args.compress))
+        print(f"input compressed: {path.stat().st_size / MB:.1f} MB ({args.compress})")
+    size = plain.stat().st_size  # MB/s: of the text read, compressed or not
     print("load average before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     best: dict[int, object] = {}
     manifests: dict[int, set[str]] = {1: set(), 2: set()}
@@ -90,7 +107,7 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             run = measure([sys.executable, "-m", "data_prep", "pairs", "--input", str(path), "--out", str(out),
                            "--workers", str(workers)], out)
-            stream = out / "pairs" / path.stem
+            stream = out / "pairs" / plain.stem
             manifest = (stream / "manifest.json").read_text()
             manifests[workers].add(manifest)
             written.add((json.dumps({k: json.loads(manifest)[k] for k in ("samples", "counts", "inputs")}),

@@ -187,8 +187,9 @@ class PairsJob:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="pairs data: .jsonl/.json (JSON lines), .csv, .tsv (a header line), .parquet, .arrow, or a "
-                        "Hugging Face datasets save_to_disk folder; local paths")
+                   help="pairs data: .jsonl/.json (JSON lines), .csv, .tsv (a header line), each also compressed "
+                        "(.jsonl.gz, .csv.zst, ...), .parquet, .arrow, or a Hugging Face datasets save_to_disk "
+                        "folder; local paths")
     p.add_argument("--out", required=True, metavar="URL",
                    help="output root: s3://bucket/prefix, file:///abs or a path; streams go to OUT/pairs/<source>")
     p.add_argument("--source", metavar="NAME",

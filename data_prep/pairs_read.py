@@ -3,16 +3,17 @@
 An input is checked whole before anything is written (``open_input``: its format, its header or schema, its
 default source). It is then cut into *parts* (``read_parts``, run by the main process, or by a streaming Ray
 task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL, CSV or TSV file (where they
-start and end: the worker reads the bytes itself), one row group of a Parquet file (its rows read by the worker
+start and end: the worker reads the bytes itself; of a gzip or zstd compressed one, the lines themselves,
+decompressed by the reader of parts as it goes), one row group of a Parquet file (its rows read by the worker
 itself), record batches of an Arrow IPC file (a Hugging Face ``save_to_disk`` folder holds such files). A worker
 (``process_part``) reads a part's rows, each as a dict of column → value, and hands them to ``pairs_rows``,
 which finds their columns, checks their values and makes their records, each with the 8-byte digest that the
 main process drops exact duplicates by, and counts what it skips.
 
-Memory: a part is at most ``PART_BYTES`` of text (or one line, up to ``MAX_LINE_BYTES``), one Parquet row
-group, or record batches up to ``PART_BYTES``; at most ``2 × workers`` parts are in flight, a worker holding
-the records of its own until the main process admits them. Nothing is unpickled that this program did not
-pickle itself: Arrow IPC is read with pyarrow.
+Memory: a part is at most ``PART_BYTES`` of text, decompressed (or one line, up to ``MAX_LINE_BYTES``), one
+Parquet row group, or record batches up to ``PART_BYTES``; at most ``2 × workers`` parts are in flight, a
+worker holding the records of its own until the main process admits them. Nothing is unpickled that this
+program did not pickle itself: Arrow IPC is read with pyarrow.
 """
 from __future__ import annotations
 
@@ -24,11 +25,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from clsys import storage
+from data_prep.compressed import READ_ERRORS, compression_of, decompressed, read_problem, uncompressed_name
 from data_prep.pairs_rows import (SOURCE_NAME, SOURCE_RULE, Columns, InputError, PartResult, RowError, add_row,
                                   header_columns, match_columns, value_kind)
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
            ".arrow": "arrow"}
+TEXT_FORMATS = ("jsonl", "csv", "tsv")  # what may be compressed: read as a stream, in parts as a plain file
 PART_BYTES = 1 << 20  # a part of a text file: whole lines, about this much (a worker's task)
 MAX_LINE_BYTES = 64 << 20  # a longer line (or CSV record) stops the run: it cannot be read in parts
 PARQUET_BATCH_ROWS = 4096  # rows decoded at a time from a row group, so a worker holds one batch's objects
@@ -57,8 +61,9 @@ class PairsInput:
 
 
 def default_source(path: str, given: str | None) -> str:
-    """``--source``, else the file's name without its extension (a folder's name)."""
-    return given or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    """``--source``, else the file's name without its extension (a compressed file's: without both; a folder's
+    name)."""
+    return given or os.path.splitext(uncompressed_name(os.path.basename(os.path.normpath(path))))[0]
 
 
 def check_source(path: str, source: str, given: bool) -> None:
@@ -74,10 +79,12 @@ def open_input(index: int, path: str, source: str | None, skip_bad: bool) -> Pai
     check_source(path, name, source is not None)
     if os.path.isdir(path):
         return _open_saved(index, path, name, skip_bad)
-    fmt = FORMATS.get(os.path.splitext(path)[1].lower())
-    if fmt is None:
+    compression = compression_of(path)
+    fmt = FORMATS.get(os.path.splitext(uncompressed_name(path))[1].lower())
+    if fmt is None or (compression and fmt not in TEXT_FORMATS):
         raise InputError(f"{path}: cannot tell the format from the name: give .jsonl, .json (JSON lines), .csv, "
-                         f".tsv, .parquet, .arrow, or a Hugging Face datasets save_to_disk folder")
+                         f".tsv (each also compressed: .gz, .zst), .parquet, .arrow, or a Hugging Face datasets "
+                         f"save_to_disk folder")
     try:
         size = os.path.getsize(path)
         if fmt == "parquet":
@@ -87,10 +94,11 @@ def open_input(index: int, path: str, source: str | None, skip_bad: bool) -> Pai
         elif fmt == "arrow":
             names = _arrow_schema(path).names
         else:
-            with open(path, "rb") as f:
+            with open(path, "rb") as raw:
+                f = decompressed(raw, compression) if compression else raw
                 first = f.readline(MAX_LINE_BYTES).removeprefix(_BOM)
-    except OSError as err:
-        raise Unreadable(f"{path}: cannot read: {err.strerror or err}") from None
+    except READ_ERRORS as err:
+        raise Unreadable(f"{path}: cannot read: {read_problem(err)}") from None
     except Exception as err:  # pyarrow: not Parquet / Arrow, or a damaged footer
         raise Unreadable(f"{path}: cannot read as {fmt}: {err}") from None
     if fmt == "jsonl":
@@ -165,8 +173,9 @@ def _csv_reader(fmt: str, lines):
 class Part:
     """A piece of one input for one worker. ``first``: the line (text formats) or row (tables) it starts at,
     from 1. Text: the ``nbytes`` from ``offset``, whole lines (CSV: whole records), which the worker reads from
-    the file itself; Parquet: ``row_group``; Arrow: ``batches``. ``error``: the piece could not be read
-    (``--skip-bad``: counted as ``unreadable``)."""
+    the file itself, or (a compressed file) those lines as ``data`` and ``nbytes`` the file's bytes read for
+    them (what the progress bar counts); Parquet: ``row_group``; Arrow: ``batches``. ``error``: the piece could
+    not be read (``--skip-bad``: counted as ``unreadable``)."""
 
     input: PairsInput
     file: str
@@ -175,6 +184,7 @@ class Part:
     offset: int = 0
     row_group: int | None = None
     batches: list = field(default_factory=list)
+    data: bytes | None = None
     error: str | None = None
 
 
@@ -198,15 +208,19 @@ def _text_parts(inp: PairsInput, file: str) -> Iterator[Part]:
     """Whole lines, about ``PART_BYTES`` at a time. A CSV part ends only where the double quotes before it are
     even (outside a quoted field): a quoted field may hold line breaks. (A quote inside an unquoted field,
     ``it"s``, which the csv module reads as a character, then counts too: with quoted line breaks elsewhere in
-    the file, a part may end inside a record, which then reads as malformed.)"""
+    the file, a part may end inside a record, which then reads as malformed.) A compressed file is read through
+    its decompressor, and each part carries its lines."""
     quoted = inp.format == "csv"
+    compression = compression_of(file)
     line, buf = 1, bytearray()
     try:
-        with open(file, "rb") as f:
+        with open(file, "rb") as raw:
+            f = decompressed(raw, compression) if compression else raw
             if inp.format != "jsonl":
                 f.readline(MAX_LINE_BYTES)  # the header, checked by open_input
                 line = 2
-            offset = f.tell()  # of the first byte of ``buf``
+            offset = 0 if compression else f.tell()  # of the first byte of ``buf``
+            read = raw.tell()  # bytes of the file given to parts so far (compressed: of the compressed file)
             while block := f.read(PART_BYTES):
                 if line == 1 and not buf and block.startswith(_BOM):
                     block = block[len(_BOM):]
@@ -218,18 +232,26 @@ def _text_parts(inp: PairsInput, file: str) -> Iterator[Part]:
                         what = "a record (a quoted field never closed?)" if quoted else "a line"
                         raise InputError(f"{file}:{line}: {what} longer than {MAX_LINE_BYTES >> 20} MiB")
                     continue
-                yield Part(inp, file, line, cut, offset)
+                if compression:
+                    yield Part(inp, file, line, raw.tell() - read, data=bytes(buf[:cut]))
+                    read = raw.tell()
+                else:
+                    yield Part(inp, file, line, cut, offset)
                 line += buf.count(b"\n", 0, cut)
                 offset += cut
                 del buf[:cut]
-    except OSError as err:
-        raise Unreadable(f"{file}:{line}: cannot read: {err.strerror or err}") from None
-    if buf:
-        yield Part(inp, file, line, len(buf), offset)
+            if buf:
+                yield (Part(inp, file, line, raw.tell() - read, data=bytes(buf)) if compression else
+                       Part(inp, file, line, len(buf), offset))
+    except READ_ERRORS as err:
+        raise Unreadable(f"{file}:{line}: cannot read: {read_problem(err)}") from None
 
 
 def _part_bytes(part: Part) -> bytes:
-    """A text part's bytes, read by the worker: only where each part starts and ends crosses processes."""
+    """A text part's bytes, read by the worker: only where each part starts and ends crosses processes (a
+    compressed file's part brings its bytes)."""
+    if part.data is not None:
+        return part.data
     try:
         with open(part.file, "rb") as f:
             f.seek(part.offset)
@@ -358,8 +380,8 @@ def _json_rows(part: Part, data: bytes) -> Iterator[tuple[int, Any, None]]:
         if not line or line.isspace():
             continue
         try:
-            values = json.loads(line)
-        except ValueError as err:  # UnicodeDecodeError included
+            values = storage.loads_json(line)
+        except ValueError as err:  # UnicodeDecodeError and nesting too deep included
             yield number, RowError("bad_line", None, f"not JSON: {err}"), None
             continue
         if not isinstance(values, dict):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from clsys import storage
 from clsys.shards.blocks import Record
 
 # Role → its spellings. "negatives" are columns holding a list; "negative" (and negative_1 … negative_N)
@@ -162,9 +162,10 @@ def _texts(values: dict, column: str, source: str | None, *, string_ok: bool, in
         if not in_cell:
             raise RowError("wrong_type", column, "is a string, not a list of strings", source)
         try:
-            value = json.loads(value)
-        except ValueError:
-            raise RowError("wrong_type", column, f"is not a JSON list of strings: {value[:60]!r}", source) from None
+            value = storage.loads_json(value)
+        except ValueError as err:
+            raise RowError("wrong_type", column, f"is not a JSON list of strings: {err} ({value[:60]!r})",
+                           source) from None
     if value is None:
         return []
     if not isinstance(value, list):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import os
 import tempfile
@@ -130,8 +129,8 @@ def _match_columns(names: list[str], where: str, strict: bool = True) -> dict[st
 
 def _json_fields(line: str) -> dict | None:
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
+        obj = storage.loads_json(line)
+    except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
 

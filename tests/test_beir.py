@@ -207,6 +207,12 @@ def test_load_reads_the_beir_layout(tmp_path):
     ("qrels/test.tsv", "query-id\tcorpus-id\tscore\nq1\td9\t1\n", "test.tsv:2: corpus-id 'd9' is not in "),
     ("qrels/test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t0.5\n",
      "test.tsv:2: score: expected an integer grade, got '0.5'"),
+    *(("qrels/test.tsv", f"query-id\tcorpus-id\tscore\nq1\td1\t{grade}\n",
+       f"test.tsv:2: score: expected an integer grade, got '{grade}'") for grade in ("1_0", "\u0663")),
+    ("qrels/test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t2147483648\n",
+     "test.tsv:2: score: 2147483648 is outside 32 bits (-2147483648 to 2147483647)"),
+    ("corpus.jsonl", '{"_id": "d1", "text": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+     "corpus.jsonl:1: bad JSON (nested too deeply"),
     ("qrels/test.tsv", "query-id\tcorpus-id\tscore\nq1 d1 1\n", "test.tsv:2: expected 3 tab-separated fields"),
     ("qrels/test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t2\n",
      "test.tsv:3: query 'q1' and document 'd1' are graded twice (first on line 2)"),
@@ -229,6 +235,21 @@ def test_a_missing_split_names_the_splits_there(small_folder):
         load_beir(small_folder, "train")
     with pytest.raises(FileNotFoundError, match=r"neither a folder nor a bundled set \(xquad-de, xquad-en\)"):
         resolve_beir("xquad-fr")
+
+
+def test_cli_refuses_a_grade_beyond_32_bits_before_loading_the_model(tmp_path, capsys):
+    """1 followed by 400 zeros as a grade: refused naming file and line, before the model (here: none) loads;
+    it used to pass and end in an OverflowError after the whole corpus was embedded. -2147483648 and +3 pass."""
+    folder = write_beir(tmp_path / "set", [{"_id": "d1", "text": "a"}, {"_id": "d2", "text": "b"}],
+                        [{"_id": "q1", "text": "c"}], {"test": [("q1", "d1", "+3"), ("q1", "d2", -2147483648)]})
+    assert load_beir(folder).qrels == [{0: 3, 1: -2147483648}]
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1" + "0" * 400 + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path / "no-model"), "--pooling", "mean", "--retrieval", str(folder)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"{folder / 'qrels' / 'test.tsv'}:2: score: 1000" in err and "is outside 32 bits" in err, err
+    assert "cannot load model" not in err and len(err.splitlines()[-1]) < 500
 
 
 # -----------------------------------------------------------------------------

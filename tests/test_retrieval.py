@@ -133,6 +133,9 @@ def test_xquad_pair_is_parallel_and_checked(tmp_path):
         xquad_pair("aa", "bb", directory=tmp_path)
     with pytest.raises(ValueError, match="bundled: de, en, es, ru, zh"):
         xquad_pair("en", "fr")
+    (tmp_path / "xquad.cc.json").write_text("[" * 100_000 + "]" * 100_000)  # it was a RecursionError
+    with pytest.raises(ValueError, match=r"xquad\.cc\.json: not valid JSON \(nested too deeply"):
+        xquad_pair("cc", "cc", directory=tmp_path)
 
 
 def test_tatoeba_accuracy_with_one_swapped_pair(tmp_path, minilm):

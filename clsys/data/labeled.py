@@ -154,9 +154,11 @@ def jsonl_records(path, lines) -> Iterator[tuple[int, dict]]:
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = storage.loads_json(raw)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{line}: bad JSON ({err.msg} at column {err.colno})") from None
+        except ValueError as err:  # nested too deeply
+            raise ValueError(f"{path}:{line}: bad JSON ({err})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{line}: expected a JSON object, got {type(record).__name__}")
         yield line, record

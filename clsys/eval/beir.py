@@ -4,7 +4,7 @@ Recall@100, as BEIR and MTEB compute them.
 A folder (BEIR's ``GenericDataLoader`` layout, which MTEB's retrieval tasks export too):
   corpus.jsonl    one JSON object a line: ``_id``, ``text``, optional ``title`` (other fields are ignored)
   queries.jsonl   ``_id``, ``text``
-  qrels/test.tsv  the header ``query-id<TAB>corpus-id<TAB>score``, then one (query, document, integer grade) a
+  qrels/test.tsv  the header ``query-id<TAB>corpus-id<TAB>score``, then one (query, document, 32-bit integer grade) a
                   line; ``qrels/dev.tsv`` (``train.tsv``, ...) for the other splits
 The queries evaluated are the ones the split's qrels name, in queries.jsonl order (BEIR and MTEB keep only those).
 
@@ -34,6 +34,7 @@ by default, as in MTEB: in other folders a query and a document sharing an id is
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from torch import nn
 
 from clsys.data.labeled import jsonl_records
 from clsys.eval.retrieval import embed_by_length
+from clsys.shards.names import clip
 from clsys.model.encoder import embed
 
 # Bundled BEIR folders (xquad-en, xquad-de), built by build.py there; origin and licence in LICENSE.md there.
@@ -54,6 +56,7 @@ NDCG_CUTOFF = MRR_CUTOFF = 10
 CORPUS_CHUNK = 8192  # documents embedded at a time
 SCORE_BLOCK = 1 << 22  # query x document scores held at a time (with their sort keys: 48 MiB)
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
+GRADE = re.compile(r"[+-]?[0-9]+")  # a qrels score: ASCII digits alone
 LAYOUT = "a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv"
 
 
@@ -145,11 +148,8 @@ def _read_qrels(path: Path, query_index: dict[str, int], doc_index: dict[str, in
         if len(fields) != 3:
             raise ValueError(f"{path}:{number}: expected 3 tab-separated fields (query-id, corpus-id, score), "
                              f"got {len(fields)}")
-        query_id, doc_id, grade = fields
-        try:
-            grade = int(grade)
-        except ValueError:
-            raise ValueError(f"{path}:{number}: score: expected an integer grade, got {grade!r}") from None
+        query_id, doc_id, score = fields
+        grade = _grade(score, f"{path}:{number}")
         if query_id not in query_index:
             raise ValueError(f"{path}:{number}: query-id '{query_id}' is not in {queries_path}")
         if doc_id not in doc_index:
@@ -163,6 +163,19 @@ def _read_qrels(path: Path, query_index: dict[str, int], doc_index: dict[str, in
     if not qrels:
         raise ValueError(f"{path}: holds no judgements")
     return qrels
+
+
+def _grade(score: str, where: str) -> int:
+    """A qrels score as a grade: ASCII digits with an optional sign (``int`` would also take ``1_0`` and other
+    scripts' digits), within 32 bits, as trec_eval's grades are (a larger one passed here and ended the run in
+    an OverflowError once the whole corpus had been embedded)."""
+    text = score.strip(" ")
+    if not GRADE.fullmatch(text):
+        raise ValueError(f"{where}: score: expected an integer grade, got {clip(score)!r}")
+    # Digits counted first: int() refuses more than 4,300 of them with a message of its own.
+    if len(text.lstrip("+-").lstrip("0")) > 10 or not -2**31 <= int(text) < 2**31:
+        raise ValueError(f"{where}: score: {clip(text)} is outside 32 bits (-2147483648 to 2147483647)")
+    return int(text)
 
 
 def load_beir(folder: str | Path, split: str = "test") -> BeirSet:

@@ -25,7 +25,6 @@ Library use (the trainer calls these on rank 0):
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clsys import storage
 from clsys.model.encoder import embed, load_tokenizer
 from clsys.model.loading import resolve_model_path
 
@@ -91,7 +91,11 @@ def load_xquad(lang: str, articles: slice | None = None, path: str | Path | None
     else the bundled XQuAD file of ``lang``."""
     path = _bundled_xquad_path(lang) if path is None else Path(path).expanduser()
     with open(path, encoding="utf-8") as f:
-        squad = json.load(f)
+        text = f.read()
+    try:
+        squad = storage.loads_json(text)
+    except ValueError as err:  # JSONDecodeError, nested too deeply
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
     xs = XquadSet(f"xquad.{lang}", [], [], [], [], [])
     try:
         data = squad["data"]

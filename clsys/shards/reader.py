@@ -40,7 +40,6 @@ import collections
 import gzip
 import hashlib
 import io
-import json
 import tarfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
@@ -52,7 +51,7 @@ from clsys.shards.manifest import FORMAT, read_manifest, shard_url
 from clsys.shards.names import clip
 
 
-SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": lambda b: json.loads(b), "ids": decode_ids}
+SAFE_EXTENSIONS = {"txt": lambda b: b.decode("utf-8"), "json": storage.loads_json, "ids": decode_ids}
 FIELDS = ("json", "txt")  # the members every sample of a data_prep stream has (ids is optional)
 COMPRESSED = (".tar.gz", ".tgz")  # shard names read as gzip-compressed tars
 MAX_SHARD_BYTES = 1 << 30  # data.max_shard_mb's default
@@ -165,7 +164,7 @@ def _block_records(key: str, members: dict[str, tuple[int, int]], tar: bytes, ma
         raise BadData("corrupt", f"block {clip(key)} has no .json member")
     offset, size = members["json"]
     try:
-        meta = json.loads(tar[offset:offset + size])
+        meta = storage.loads_json(tar[offset:offset + size])
         count = record_count(meta)
     except (ValueError, BlockError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadData("corrupt", f"block {clip(key)}: {err}") from None
@@ -191,7 +190,7 @@ def format2_block(tar: bytes) -> str | None:
             if ext in ("txt", "json"):
                 first[ext] = tar[info.offset_data:info.offset_data + info.size]
     try:
-        meta = json.loads(first["json"])
+        meta = storage.loads_json(first["json"])
         count = record_count(meta)
     except (KeyError, ValueError, BlockError):  # no json, or not a block's
         return None

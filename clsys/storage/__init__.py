@@ -38,9 +38,9 @@ from clsys.storage.urls import backend, is_local, join, overlaps, parse
 __all__ = [
     "Location", "StorageError", "check_bucket", "delete", "discard_staged", "download_dir", "download_file",
     "exists", "forget_s3_clients", "is_local", "join", "json_bytes", "list_prefix", "list_relative", "list_sizes",
-    "open_read", "overlaps", "parallel_writes", "parse", "parse_json", "publish_staged", "read_bytes", "read_json",
-    "redact", "redact_values", "s3_client", "size", "staging_path", "upload_dir", "upload_file", "write_bytes",
-    "write_file", "write_json",
+    "loads_json", "open_read", "overlaps", "parallel_writes", "parse", "parse_json", "publish_staged", "read_bytes",
+    "read_json", "redact", "redact_values", "s3_client", "size", "staging_path", "upload_dir", "upload_file",
+    "write_bytes", "write_file", "write_json",
 ]
 
 
@@ -72,9 +72,20 @@ def read_json(url: str):
 
 def parse_json(data: bytes, url: str):
     try:
-        return json.loads(data)
-    except json.JSONDecodeError as err:
+        return loads_json(data)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise StorageError(f"{url}: not valid JSON ({err})") from None
+
+
+def loads_json(data: str | bytes):
+    """``json.loads`` for JSON from elsewhere: a value nested deeper than the decoder can recurse (a 200 KB line
+    of ``[`` 100,000 deep) is a ValueError, as other malformed JSON is, not a RecursionError that no reader of
+    bad input catches."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply (arrays and objects within each other beyond Python's recursion "
+                         "limit)") from None
 
 
 def json_bytes(obj) -> bytes:
