@@ -281,7 +281,7 @@ def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: 
         raise RuntimeError(f"{source}: checkpoint does not match {type(model).__name__} (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False).save_pretrained(folder)
 
 
 def write_reranker(folder: str, weights: dict, state: dict, reranker_map: dict[str, str], config,
