@@ -51,7 +51,7 @@ def word_tokenizer(folder: str, vocab_size: int):
 
     (Path(folder) / "vocab.txt").write_text("\n".join(SPECIAL + [f"w{i}" for i in range(vocab_size - len(SPECIAL))]))
     (Path(folder) / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 def samples(n: int, min_words: int, max_words: int, vocab_size: int, rng: random.Random) -> list[dict]:

@@ -121,6 +121,11 @@ def _missing_folder(path: str) -> bool:
     return not os.path.exists(path) and (os.path.isabs(path) or path.startswith(".") or path.count("/") > 1)
 
 
+def refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit 2 with one line: what is wrong with a model folder, without the usage of options given right."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m clsys.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="exported clsys folder, any HF model folder, or a packaged alias")
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             raise FileNotFoundError("no such folder")
         model, tokenizer = load_encoder(args.model), load_tokenizer(args.model)
     except (OSError, ValueError) as e:
-        parser.error(f"cannot load model '{args.model}': {str(e).splitlines()[0]}")
+        refuse(parser, f"cannot load model '{args.model}': {str(e).splitlines()[0]}")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     max_length = args.max_length or default_max_length(path, model.config)
     reranker, reranker_path = None, None
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise FileNotFoundError("no such folder")
             reranker = hf_reranker(reranker_path)
         except (OSError, ValueError) as e:
-            parser.error(f"cannot load reranker '{reranker_path}': {str(e).splitlines()[0]}")
+            refuse(parser, f"cannot load reranker '{reranker_path}': {str(e).splitlines()[0]}")
     query_prefix, passage_prefix = folder_prompts(path)
     query_prefix = query_prefix if args.query_prefix is None else args.query_prefix
     passage_prefix = passage_prefix if args.passage_prefix is None else args.passage_prefix

@@ -29,7 +29,7 @@ from clsys.storage.integrity import SUMS
 from clsys.engine.checkpoint import (REQUIRED_FILES, checked_state, checkpoint_weights, latest_checkpoint,
                                      listed_apart, missing_rank_files)
 from clsys.engine.selection import BEST_RECORD, read_best
-from clsys.model.folder import (COUNT, INTEGER, NUMBER, POSITIVE, RECORD, TEXT, CheckpointError, ExportSpec,
+from clsys.model.folder import (COUNT, INTEGER, NUMBER, POSITIVE, RECORD, TEXT, ExportSpec,
                                 check_replaceable, checked_record, publish, source_max_seq_length, write_model,
                                 write_reranker)
 from clsys.model.card import write_card
@@ -107,7 +107,7 @@ def export(checkpoint: str, out: str, run: str | None = None) -> tuple[str, str]
         spec = ExportSpec.from_meta(meta, state_url)
         state = checkpoint_weights(ckpt, url)
         hf_dir = os.path.join(ckpt, "hf")
-        config = AutoConfig.from_pretrained(hf_dir)
+        config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
         folder = os.path.join(work, "out")
         base_model = meta["config"]["model"]["name"]
         weights = spec.encoder_weights(state)
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         used, chosen = export(args.checkpoint, args.out, args.run)
-    except (OSError, RuntimeError, storage.StorageError, integrity.IntegrityError, CheckpointError, KeyError) as err:
+    # ValueError: a refusal of the checkpoint's contents (CheckpointError, IntegrityError, transformers' own).
+    except (OSError, RuntimeError, ValueError, storage.StorageError, KeyError) as err:
         print(f"error: {storage.redact(str(err))}", file=sys.stderr)
         return 2
     print(storage.redact(f"exported {used} ({chosen}) -> {args.out}"))

@@ -43,7 +43,7 @@ from clsys import __version__, logs, storage
 from clsys.engine.launch import init_ray_for_tasks
 from clsys.model.declared import default_max_length, folder_pooling, folder_prompts
 from clsys.model.encoder import POOLINGS
-from clsys.model.loading import resolve_model_path
+from clsys.model.loading import checked_model_path, resolve_model_path
 from clsys.retrieval import topk, work
 from clsys.retrieval.corpus import PAIRS, corpus_shards, pair_streams, text_id
 from clsys.retrieval.negatives import DROP_REASONS, choose_negatives
@@ -134,14 +134,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
 
 def encoding_of(args: argparse.Namespace) -> Encoding:
     """The model folder and how it embeds: options, else what the folder declares. ``Refused`` for a model that is
-    not a folder or declares no usable pooling."""
+    not a folder, fails the checks of ``checked_model_path`` (here, before any worker loads it) or declares no
+    usable pooling."""
     from transformers import AutoConfig
 
     path = resolve_model_path(args.model)
     if not os.path.isdir(path):
         raise Refused(f"--model {args.model}: not a folder (give a model folder or a packaged alias)")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(checked_model_path(path), trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise Refused(f"--model {args.model}: {str(err).splitlines()[0]}") from None
     pooling = args.pooling or folder_pooling(path)

@@ -225,6 +225,24 @@ def ftp_root(tmp_path):
         yield url, folder
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A mount point with a tmpfs of 2 MiB, a real disk that fills up; yields (path, resize(size))."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+
+    def resize(size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+
+    try:
+        yield disk, resize
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> str:
     """The architecture of a 1-layer BERT (hidden 32, 64 positions) for model.init=scratch, with the

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch.multiprocessing as mp
 
 from clsys import storage
@@ -19,24 +18,6 @@ from tests.conftest import RankCheckpoints, free_port
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data_prep", "samples",
                       "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A mount point with a tmpfs of 2 MiB; yields (path, resize(size))."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
-
-    def resize(size: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
-
-    try:
-        yield disk, resize
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def leftovers(folder) -> list[str]:

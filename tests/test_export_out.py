@@ -13,7 +13,6 @@ S3 server (moto on 127.0.0.1).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import re
 import shutil
@@ -94,26 +93,35 @@ def test_an_empty_folder_is_used_and_a_previous_export_replaced(checkpoints, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary folder left beside it
 
 
-def test_an_export_that_fails_half_way_leaves_the_previous_one_whole(checkpoints, tmp_path, monkeypatch, capsys):
-    out = tmp_path / "export"
+def test_an_export_that_fills_the_disk_half_way_leaves_the_previous_one_whole(checkpoints, small_disk, capsys):
+    """A real full disk (a tmpfs with room for one export and a half) under ``--out``; the export's own work
+    folder is elsewhere. Before, the error was shutil.copytree's list of every file's (source, target, reason)."""
+    disk, resize = small_disk
+    resize("8m")
+    out = disk / "export"
     assert main(["--checkpoint", checkpoints[2], "--out", str(out)]) == 0
     before = _files(out)
-    real_copyfile, copied = shutil.copyfile, []
-
-    def disk_fills_up(src, dst, *args, **kwargs):
-        """The disk of ``--out`` fills up after two files (the export's own work folder is elsewhere)."""
-        if str(dst).startswith(str(tmp_path)):
-            if len(copied) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device", str(dst))
-            copied.append(dst)
-        return real_copyfile(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(shutil, "copyfile", disk_fills_up)
+    assert sum(map(len, before.values())) > 4 << 20, "the export no longer fills the disk: resize it"
+    capsys.readouterr()
     assert main(["--checkpoint", checkpoints[4], "--out", str(out)]) == 2
-    assert "No space left on device" in capsys.readouterr().err
-    assert len(copied) == 2, "the failure was not injected where the export is written"
+    assert capsys.readouterr().err == (f"error: {out}: no space left on device (writing model.safetensors); "
+                                       "the previous export is unchanged\n")
     assert _files(out) == before and check_folder(out)
-    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary folder left beside it
+    assert [p.name for p in disk.iterdir()] == ["export"]  # no temporary folder left beside it
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused(checkpoints, tmp_path, capsys):
+    """A checkpoint whose hf/ holds no vocabulary (its checksums rewritten to match) exported with exit 0 a
+    tokenizer of its 5 special tokens for an embedding of 30,522 rows."""
+    def without_the_tokenizer(folder: Path) -> None:
+        for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / "hf" / name).unlink(missing_ok=True)
+
+    step = _hostile(checkpoints[4], tmp_path / "step", without_the_tokenizer)
+    assert main(["--checkpoint", step, "--out", str(tmp_path / "export")]) == 2
+    _refused(capsys.readouterr().err, rf"^error: {re.escape(step)}: its tokenizer \(hf/: config.json\) has 5 tokens "
+                                      r"but the embedding 30,522 rows: hf/ lacks the vocabulary")
+    assert not (tmp_path / "export").exists()
 
 
 def test_on_s3_only_an_export_is_replaced_and_nothing_of_the_old_one_stays(checkpoints, s3_bucket, tmp_path):

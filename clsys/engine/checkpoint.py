@@ -36,7 +36,6 @@ import io
 import itertools
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from clsys import storage
 from clsys.storage import integrity
 from clsys.engine.deepspeed import plain_data_parallel
+from clsys.model import loading
 from clsys.model.folder import COUNT, POSITIVE, SHOWN, TEXT, CheckpointError, Kind, checked_record
 from clsys.storage.integrity import SEAL, SUMS
 
@@ -74,29 +74,14 @@ def _deepspeed_record_classes() -> list:
 
 @contextlib.contextmanager
 def weights_only_loads(local: str = "", url: str = ""):
-    """Every ``torch.load`` inside, DeepSpeed's own included (which ask for ``weights_only=False``), reads
-    tensors, plain containers and DeepSpeed's record classes only: a checkpoint on shared storage is
-    data, and unpickling it must never run code from it. A file that holds anything else is refused with
-    a CheckpointError naming it (as it is at ``url`` where it was downloaded to the folder ``local``)."""
-    real_load = torch.load
-
-    def load(f, *args, **kwargs):
-        try:
-            return real_load(f, *args, **{**kwargs, "weights_only": True})
-        except pickle.UnpicklingError:
-            name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
-            if local and name.startswith(local.rstrip("/") + "/"):
-                name = url + name[len(local.rstrip("/")):]
-            raise CheckpointError(f"{name}: refused: it holds more than tensors, plain containers and DeepSpeed's "
-                                  f"records, which torch.load(weights_only=True) does not unpickle (that could run "
-                                  f"code from the file)") from None
-
-    torch.load = load
-    try:
-        with torch.serialization.safe_globals(_deepspeed_record_classes()):
-            yield
-    finally:
-        torch.load = real_load
+    """Every ``torch.load`` inside, DeepSpeed's own included, reads tensors, plain containers and DeepSpeed's
+    record classes only (``clsys.model.loading.weights_only_loads``): a checkpoint on shared storage is data. A
+    file that holds anything else is refused with a CheckpointError naming it (as it is at ``url`` where it was
+    downloaded to the folder ``local``)."""
+    with loading.weights_only_loads(local, url, holds="tensors, plain containers and DeepSpeed's records",
+                                    refusal=CheckpointError), \
+            torch.serialization.safe_globals(_deepspeed_record_classes()):
+        yield
 
 
 def checkpoint_weights(folder: str, url: str | None = None) -> dict[str, torch.Tensor]:

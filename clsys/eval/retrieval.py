@@ -35,7 +35,7 @@ from torch import nn
 
 from clsys import storage
 from clsys.model.encoder import embed, load_tokenizer
-from clsys.model.loading import resolve_model_path
+from clsys.model.loading import checked_model_path
 
 # Unmodified XQuAD (en, de, es, ru, zh) and Tatoeba (LASER v1) files; origin and licences in LICENSE.md there.
 XQUAD_ASSETS = Path(__file__).parents[1] / "assets" / "xquad"
@@ -241,7 +241,8 @@ def hf_reranker(folder: str, max_length: int | None = None, batch_size: int = 32
     """
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(checked_model_path(folder),
+                                                               trust_remote_code=False)
     if model.config.num_labels != 2:
         raise ValueError(f"{folder}: a reranker has 2 labels (irrelevant, relevant), not {model.config.num_labels}")
     tokenizer = load_tokenizer(folder)

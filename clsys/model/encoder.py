@@ -48,8 +48,9 @@ def load_encoder(name: str, **overrides) -> nn.Module:
 
     quiet_transformers()
     path = checked_model_path(name)
-    config = AutoConfig.from_pretrained(path, **overrides)
-    return with_global_attention(AutoModel.from_pretrained(path, config=config, **without_pooler(config)), path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False, **overrides)
+    return with_global_attention(AutoModel.from_pretrained(path, config=config, trust_remote_code=False,
+                                                       **without_pooler(config)), path)
 
 
 def with_global_attention(model: nn.Module, path: str | None = None) -> nn.Module:
@@ -71,7 +72,7 @@ def _training_config(model_cfg, tokenizer):
 
     quiet_transformers()
     path = checked_model_path(model_cfg.name)
-    config = AutoConfig.from_pretrained(path, **model_overrides(model_cfg))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False, **model_overrides(model_cfg))
     if model_cfg.init == "scratch":
         config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
     return path, config
@@ -93,7 +94,7 @@ def build_encoder(model_cfg, tokenizer) -> nn.Module:
     if model_cfg.init == "scratch":
         model = AutoModel.from_config(config, **without_pooler(config))
     else:
-        model = AutoModel.from_pretrained(path, config=config, **without_pooler(config))
+        model = AutoModel.from_pretrained(path, config=config, trust_remote_code=False, **without_pooler(config))
     _for_training(model, model_cfg, path)
     return model
 
@@ -107,7 +108,7 @@ def build_masked_lm(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module]:
     if model_cfg.init == "scratch":
         model = AutoModelForMaskedLM.from_config(config)
     else:
-        model = AutoModelForMaskedLM.from_pretrained(path, config=config)
+        model = AutoModelForMaskedLM.from_pretrained(path, config=config, trust_remote_code=False)
     _for_training(model, model_cfg, path)
     # The head's attribute name differs per architecture (BERT: cls, RoBERTa/XLM-R: lm_head).
     for attribute in ("cls", "lm_head"):
@@ -131,7 +132,7 @@ def build_bert_pretraining(model_cfg, tokenizer) -> tuple[nn.Module, nn.Module, 
     if model_cfg.init == "scratch":
         model = AutoModelForPreTraining.from_config(config)
     else:
-        model = AutoModelForPreTraining.from_pretrained(path, config=config)
+        model = AutoModelForPreTraining.from_pretrained(path, config=config, trust_remote_code=False)
     _for_training(model, model_cfg, path)
     encoder, pooler = model.base_model, model.base_model.pooler
     encoder.pooler = None
@@ -176,7 +177,7 @@ def load_tokenizer(name: str):
             local = tempfile.mkdtemp(prefix="clsys-tokenizer-")
             storage.download_dir(name, local)
             name = local
-    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+    return AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=False)
 
 
 @torch.no_grad()

@@ -280,8 +280,16 @@ def _save_filled(model, weights: dict, folder: str, tokenizer_dir: str, source: 
     if missing or unexpected:
         raise RuntimeError(f"{source}: checkpoint does not match {type(model).__name__} (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) != rows:
+        # transformers makes a tokenizer of its special tokens alone from a folder without a vocabulary: an
+        # export with it would load and embed every text as unknown tokens.
+        raise CheckpointError(f"{source}: its tokenizer (hf/: {', '.join(sorted(os.listdir(tokenizer_dir)))}) has "
+                              f"{len(tokenizer):,} tokens but the embedding {rows:,} rows: hf/ lacks the vocabulary "
+                              f"the model was trained with")
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def write_reranker(folder: str, weights: dict, state: dict, reranker_map: dict[str, str], config,
@@ -384,7 +392,7 @@ def publish(folder: str, out: str) -> None:
     staging = tempfile.mkdtemp(prefix=f".{name}.clsys-export-", dir=parent)
     aside = f"{staging}-previous"
     try:
-        shutil.copytree(folder, staging, dirs_exist_ok=True)
+        _copy_files(folder, staging, out, previous=os.path.lexists(target.path))
         if os.path.lexists(target.path):
             os.rename(target.path, aside)
         try:
@@ -396,3 +404,19 @@ def publish(folder: str, out: str) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _copy_files(folder: str, staging: str, out: str, previous: bool) -> None:
+    """Copy ``folder``'s files into ``staging``; stop at the first that fails with an OSError naming ``out``,
+    the file, and that the ``previous`` export (if any) is as it was. (shutil.copytree goes on past a failed
+    file and then reports every one as a Python list of tuples.)"""
+    for path in sorted(Path(folder).rglob("*")):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(folder).as_posix()
+        try:
+            os.makedirs(os.path.dirname(os.path.join(staging, rel)), exist_ok=True)
+            shutil.copy2(path, os.path.join(staging, rel))
+        except OSError as err:
+            kept = "the previous export is unchanged" if previous else "nothing is left there"
+            raise OSError(f"{out}: {(err.strerror or str(err)).lower()} (writing {rel}); {kept}") from None

@@ -165,7 +165,7 @@ def load_with_heads(path: str) -> tuple[nn.Module, list[str]]:
     from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForPreTraining
 
     quiet_transformers()
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     attempts = [(AutoModelForPreTraining, {}), (AutoModelForMaskedLM, {}), (AutoModel, {})]
     if without_pooler(config):
         # Encoders saved without the pooler (clsys export does that) would otherwise get a random one.
@@ -173,7 +173,7 @@ def load_with_heads(path: str) -> tuple[nn.Module, list[str]]:
     complete = None
     for auto_class, kwargs in attempts:
         try:
-            model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
+            model, info = auto_class.from_pretrained(path, output_loading_info=True, trust_remote_code=False, **kwargs)
         except ValueError:  # the architecture has no model of this kind
             continue
         if info["missing_keys"]:
@@ -228,7 +228,7 @@ def convert(name: str, max_positions: int, attention_window: int, out: str) -> d
     # An extra config attribute: PretrainedConfig writes it to config.json and AutoConfig reads it back.
     model.config.attention_window = attention_window
     model.save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     tokenizer.model_max_length = max_positions
     tokenizer.save_pretrained(out)
     return {"model_class": type(model).__name__, "old_positions": old_positions, "unused_keys": unused}
