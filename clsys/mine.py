@@ -57,8 +57,9 @@ from clsys.storage import StorageError
 log = logs.module_logger(__name__, __spec__)
 
 PROG = "clsys.mine"
-# Non-secret settings the workers need; credentials come from each worker's own environment or role, never
-# through Ray's runtime_env, which the dashboard shows.
+# Settings the workers need, handed over in Ray's runtime_env by init_ray_for_tasks, but one whose value holds a
+# secret (AWS_ENDPOINT_URL with a password: launch.handed_env); credentials come from each worker's own
+# environment or role.
 WORKER_ENV = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 IN_FLIGHT = 3  # query batches sent out before the oldest one's candidates are taken: the workers never wait
 

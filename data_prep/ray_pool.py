@@ -34,8 +34,9 @@ MAX_RETRIES = 3
 # file PATH (one task in the whole cluster, a file on a machine every worker shares) raises a StorageError or
 # exits its worker process; the tests check that the task is run again and the output is unchanged.
 FAULT_ENV = "DATA_PREP_FAULT_ONCE"
-# Non-secret settings the tasks need (credentials come from each worker's own environment or role, never
-# through Ray's runtime_env, which the dashboard shows).
+# Settings the tasks need, handed over in Ray's runtime_env by init_ray_for_tasks, but one whose value holds a
+# secret (AWS_ENDPOINT_URL with a password: launch.handed_env); credentials come from each worker's own
+# environment or role.
 WORKER_ENV = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", FAULT_ENV)
 
 

@@ -387,3 +387,78 @@ def test_an_export_from_a_url_with_a_token_writes_no_file_holding_it(checkpoints
     redacted = url.replace(token, "***")
     assert json.loads(files["clsys_export.json"])["checkpoint"] == redacted
     assert f"| exported checkpoint | `{redacted}` (the given step folder) |" in files["README.md"].decode()
+
+
+# ---- symbolic links: listed under their own names; one that leaves the folder is refused, naming it -----------
+
+def _linked_out(folder: Path, name: str, outside: Path) -> Callable[[Path], None]:
+    """The damage that makes ``name`` of a checkpoint a symbolic link to ``outside`` (a file of the machine that
+    reads it), holding the same bytes, so that the checksums pass."""
+    def damage(folder: Path) -> None:
+        outside.write_bytes((folder / name).read_bytes())
+        (folder / name).unlink()
+        (folder / name).symlink_to(outside)
+    return damage
+
+
+def test_a_link_in_a_folder_is_listed_under_its_own_name_and_one_leaving_it_is_refused(tmp_path):
+    """The names came from the link's target cut at the folder's length: ``hf/vocab.txt`` linking outside was
+    listed as ``s``, and ``download_dir`` copied the target (a file the folder's writer chose) under that name."""
+    folder, outside = tmp_path / "folder", tmp_path / "outside"
+    (folder / "real").mkdir(parents=True)
+    outside.mkdir()
+    (folder / "real" / "a.txt").write_text("a")
+    (folder / "b.txt").symlink_to(folder / "real" / "a.txt")
+    (folder / "real" / "to-real").symlink_to(folder / "real")  # a folder inside: not followed, not refused
+    assert [rel for _, rel in storage.list_relative(str(folder))] == ["b.txt", "real/a.txt"]
+    storage.download_dir(str(folder), str(tmp_path / "copy"))
+    assert _files(tmp_path / "copy") == {"b.txt": b"a", "real/a.txt": b"a"}
+    (outside / "secret").write_text("the reader's own")
+    for link, target in [("real/s", outside / "secret"), ("real/dir", outside)]:
+        (folder / link).symlink_to(target)
+        for call in (lambda: list(storage.list_relative(str(folder))),
+                     lambda: storage.download_dir(f"file://{folder}", str(tmp_path / "copy-2"))):
+            with pytest.raises(storage.StorageError) as err:
+                call()
+            assert str(err.value) == (f"file://{folder}/{link}: a symbolic link to {target}, outside the folder "
+                                      f"file://{folder} being read: refused (copy the file into it instead)")
+        (folder / link).unlink()
+    assert not (tmp_path / "copy-2").exists()
+
+
+def test_export_and_resume_refuse_a_checkpoint_whose_link_leaves_it_naming_the_link(checkpoints, tmp_path, capsys,
+                                                                                     caplog):
+    from clsys.engine.checkpoint import fetch_intact, listed_apart
+
+    outside = tmp_path / "a-file-of-the-reader.txt"
+    step = _hostile(checkpoints[4], tmp_path / "step", _linked_out(tmp_path / "step", "hf/tokenizer.json", outside))
+    refusal = (rf"file://{re.escape(step)}/hf/tokenizer\.json: a symbolic link to {re.escape(str(outside))}, outside "
+               rf"the folder file://{re.escape(step)} being read: refused")
+    with _one_rank_group():
+        fetched = fetch_intact([step, checkpoints[2]], world=1)
+    shutil.rmtree(fetched.folder)
+    printed = "".join(f"{r.getMessage()}\n" for r in caplog.records)
+    assert fetched.step == 2 and f"checkpoint {step} is damaged" in printed and re.search(refusal, printed), printed
+    (Path(step) / "CORRUPT").unlink()  # what resume's set_aside did: the same checkpoint again, for export
+    integrity.write_folder_sums(step, skip=listed_apart)
+    assert main(["--checkpoint", step, "--out", str(tmp_path / "export")]) == 2
+    _refused(capsys.readouterr().err, refusal)
+    assert not (tmp_path / "export").exists()
+
+
+def test_an_export_folder_with_links_is_replaced_only_as_check_replaceable_sees_them_by_name(checkpoints, tmp_path,
+                                                                                             capsys):
+    """A link inside the previous export was listed under its target's name, so an added ``extra.json`` linking
+    to its ``config.json`` was taken for the export's own file; one linking outside was listed by a made-up name."""
+    out = tmp_path / "export"
+    assert main(["--checkpoint", checkpoints[2], "--out", str(out)]) == 0
+    (out / "extra.json").symlink_to(out / "config.json")
+    assert main(["--checkpoint", checkpoints[4], "--out", str(out)]) == 2
+    _refused(capsys.readouterr().err, r"files not listed in its SHA256SUMS: extra\.json; choose another --out")
+    (out / "extra.json").unlink()
+    (tmp_path / "notes.txt").write_text("a user's notes")
+    (out / "notes.txt").symlink_to(tmp_path / "notes.txt")
+    assert main(["--checkpoint", checkpoints[4], "--out", str(out)]) == 2
+    _refused(capsys.readouterr().err, rf"file://{re.escape(str(out))}/notes\.txt: a symbolic link to "
+                                      rf"{re.escape(str(tmp_path))}/notes\.txt, outside the folder")
+    assert _exported_step(str(out)) == 2 and (tmp_path / "notes.txt").read_text() == "a user's notes"

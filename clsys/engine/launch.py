@@ -16,27 +16,37 @@ import tempfile
 from clsys import logs, storage
 from clsys.config import ClusterConfig, Config, run_url
 
-# Non-secret settings the workers need. Credentials are never put in Ray's runtime_env (it is
-# visible in the dashboard): workers read them from their own environment / instance role.
 log = logging.getLogger(__name__)
 
+# Settings the workers need, handed to them through Ray's runtime_env (``handed_env``). Credentials are never
+# among them: workers read them from their own environment or instance role.
 WORKER_ENV = ("DS_ACCELERATOR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
               "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "TORCH_EXTENSIONS_DIR", "RAY_API_SERVER_ADDRESS")
 
 
-def without_job_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without the variables the job's runtime_env sets: under `ray job submit` they already reach every
-    worker, and Ray refuses a driver runtime_env that sets them again ("Failed to merge the Job's runtime env")."""
+def handed_env(env: dict[str, str], joining: bool) -> dict[str, str]:
+    """What of ``env`` goes into Ray's runtime_env. Not the variables the job's runtime_env sets: under `ray job
+    submit` they already reach every worker, and Ray refuses a driver runtime_env that sets them again ("Failed
+    to merge the Job's runtime env"). Nor a variable whose value holds a secret (a URL's ``user:password``, a
+    signed query: what ``storage.redact`` hides, e.g. in AWS_ENDPOINT_URL): Ray writes the runtime_env into its
+    log files (runtime_env_agent.log, many times a run) and shows it in the dashboard. The workers of a cluster
+    this process starts inherit such a variable from its environment; a joined cluster's nodes need it in
+    their own, which is said."""
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
-    return {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {})}
+    secret = sorted(k for k, v in env.items() if storage.redact(v) != v)
+    if secret and joining:
+        log.warning(f"[clsys] warning: {', '.join(secret)}: its value holds a secret, so it is not handed to the "
+                    "cluster's workers through Ray's runtime_env (Ray writes that to its logs); set it in the nodes' "
+                    "own environment (docs/operations/storage.md)")
+    return {k: v for k, v in env.items() if k not in (job_env.get("env_vars") or {}) and k not in secret}
 
 
 def init_ray_for_tasks(cpus: int, names: tuple[str, ...]) -> bool:
     """Ray for tasks and actors of a command (no Ray Train): the cluster at RAY_ADDRESS (as under `ray job submit`),
     else a local one of ``cpus`` CPUs on 127.0.0.1; the variables ``names`` of this environment reach the workers.
     Whether it joined a cluster."""
-    env = without_job_env({k: os.environ[k] for k in names if k in os.environ})
     joining = bool(os.environ.get("RAY_ADDRESS"))
+    env = handed_env({k: os.environ[k] for k in names if k in os.environ}, joining)
     if not joining:
         # Without it, a local cluster binds its services to the machine's external address (docs/running/ray.md).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -71,7 +81,7 @@ def init_ray(cfg: Config) -> None:
     # to ask about. clsys does not ask: a drained node's workers die with it and the run restarts from its last
     # checkpoint, and a notice to the driver (SIGUSR1/SIGTERM) checkpoints at once (docs/operations/fault-tolerance.md).
     env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-    env = without_job_env(env)
+    env = handed_env(env, joining=bool(os.environ.get("RAY_ADDRESS")))
     # Ray's notice that token authentication is on (docs/running/ray.md says so) came on every start.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if os.environ.get("RAY_ADDRESS"):

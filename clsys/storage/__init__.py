@@ -181,15 +181,16 @@ def upload_dir(local_dir: str, url: str) -> None:
 
 
 def list_relative(url: str) -> Iterator[tuple[str, str]]:
-    """(object URL, its name relative to the folder ``url``) of every object under ``url``, sorted."""
-    base = parse(url).path.rstrip("/")
+    """(object URL, its name relative to the folder ``url``) of every object under ``url``, sorted. The name is the
+    one listed (a symbolic link's own, not its target's: the local backend refuses a link that leaves the folder)."""
+    prefix = str(parse(url)).rstrip("/") + "/"
     for obj in list_prefix(url):
-        yield obj, parse(obj).path[len(base):].lstrip("/")
+        yield obj, obj[len(prefix):].lstrip("/")
 
 
 def download_dir(url: str, local_dir: str) -> None:
     root = os.path.realpath(local_dir)
-    for obj, rel in list_relative(url):
+    for obj, rel in list(list_relative(url)):  # listed whole first: a refused link stops it before any copy
         target = os.path.realpath(os.path.join(root, rel))
         # An object's name may hold "../" (or start with "/"): it must not write outside the folder.
         if os.path.commonpath([root, target]) != root or target == root:

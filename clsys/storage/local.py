@@ -60,6 +60,16 @@ def publish(staged: str, url: str, path: str) -> None:
         discard_staged(staged)
 
 
+def check_link_inside(folder: Location, link: Path) -> None:
+    """Refuse the symbolic link ``link`` under ``folder`` (resolved) when its target lies outside it: whoever wrote
+    the folder (a checkpoint, an export) chose where it points, and a copy of the folder would take that file of
+    the reader's machine in (a key, another user's data) under the link's name."""
+    target = os.path.realpath(link)
+    if os.path.commonpath([folder.path, target]) != folder.path:
+        raise StorageError(f"file://{link}: a symbolic link to {target}, outside the folder {folder} being read: "
+                           "refused (copy the file into it instead)")
+
+
 RECORD, TOMBSTONE = b"+", b"-"  # a generation file's first byte: the object's content follows, or it was deleted
 
 
@@ -156,7 +166,10 @@ class LocalFiles(Backend):
     def list_sizes(self, url: str, loc: Location) -> Iterator[tuple[str, int]]:
         root = Path(loc.path)
         if root.is_dir():
+            # Listed under the names they have in the folder; rglob follows no link to a folder.
             for p in sorted(root.rglob("*")):
+                if p.is_symlink():
+                    check_link_inside(loc, p)
                 try:
                     size = p.stat().st_size if p.is_file() else None
                 except FileNotFoundError:  # renamed or removed since it was listed (a temporary file): not there
