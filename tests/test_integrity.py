@@ -102,6 +102,7 @@ def _resume_after(ranks: RankCheckpoints, run: str, damage: Callable[[], object]
     result["printed"] = printed.getvalue()
     corrupt = storage.join(checkpoint.step_url(run, 4), "CORRUPT")
     result["corrupt"] = storage.read_bytes(corrupt).decode() if storage.exists(corrupt) else None
+    dist.barrier()  # every rank has read it before rank 0 writes the next step 4 over it (a race under load)
     return result
 
 
