@@ -10,7 +10,9 @@ input is refused before anything is written."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -20,7 +22,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -228,6 +232,44 @@ def test_two_slices_rank_as_one_worker_and_as_one_sort(local_pairs, tiny_bert_wi
     assert torch.equal(again.slice.embeddings, two[1].slice.embeddings)
 
 
+SEPARATORS = "\u2028\u2029\x85"  # what str.splitlines() also ends a line at; web and Wikipedia text holds them
+
+
+def test_a_slice_round_trips_its_texts_and_refuses_files_that_disagree_with_its_json(tmp_path):
+    """Texts with line and paragraph separators come back as they were saved; a slice whose files are whole
+    (checksums match) but say other than its .json (texts against rows, a text that is not a JSON string, the
+    tensors' shapes) is refused, naming it, rather than taken up with its ids and texts misaligned."""
+    texts = [f"line{c}next {i}" for i, c in enumerate(SEPARATORS)] + ["plain", "a\nb"]
+    part = work.Slice(torch.arange(len(texts)), F.normalize(torch.randn(len(texts), 4), dim=-1), texts)
+    stem = str(tmp_path / "worker-00000-of-00001")
+    work.save_slice(stem, part)
+    loaded = work.load_slice(stem)
+    assert loaded.texts == texts and torch.equal(loaded.ids, part.ids) and torch.equal(loaded.embeddings, part.embeddings)
+    jsonl = Path(f"{stem}.jsonl").read_bytes()
+    tensors = Path(f"{stem}.safetensors").read_bytes()
+
+    def tampered(jsonl: bytes, tensors: bytes) -> str:
+        """The slice's files replaced, their checksums in its .json made to match: what loading it says."""
+        Path(f"{stem}.jsonl").write_bytes(jsonl)
+        Path(f"{stem}.safetensors").write_bytes(tensors)
+        meta = json.loads(Path(f"{stem}.json").read_text())
+        meta["sha256"] = [hashlib.sha256(tensors).hexdigest(), hashlib.sha256(jsonl).hexdigest()]
+        Path(f"{stem}.json").write_text(json.dumps(meta))
+        with pytest.raises(storage.StorageError) as refusal:
+            work.load_slice(stem)
+        assert str(refusal.value).startswith(f"{stem}.*: not the slice its .json describes (")
+        return str(refusal.value)
+    assert "4 texts in its .jsonl, 5 ids" in tampered(jsonl.split(b"\n", 1)[1], tensors)
+    assert "line 2 is not JSON" in tampered(jsonl.replace(b"\n", b"\n{", 1), tensors)
+    assert "line 4 is not a JSON string (a int)" in tampered(jsonl.replace(b'"plain"', b"7"), tensors)
+    other = safetensors.torch.save({"ids": part.ids, "embeddings": part.embeddings.reshape(10, 2)})
+    assert "shape [10, 2]" in tampered(jsonl, other)
+    assert f"a safetensors header of {2**64 - 1} bytes" in tampered(jsonl, b"\xff" * 8 + tensors)
+    assert "not a safetensors file of ids and embeddings" in tampered(jsonl, tensors[:8] + b"[" + tensors[9:])
+    Path(f"{stem}.jsonl").write_bytes(jsonl[:-1])  # a checksum that differs: not there, embedded again
+    assert work.load_slice(stem) is None
+
+
 def test_progress_of_other_settings_is_refused(tmp_path):
     settings = work.Settings("d", None, "i", "m", "s", "mean", 64, "", "", "cpu", 7, 28, 0.95, False, 2)
     assert work.start(str(tmp_path), settings) is False
@@ -371,3 +413,41 @@ def test_a_killed_run_continues_to_the_uninterrupted_output(uninterrupted, s3_pa
     def objects(root: str) -> dict[str, bytes]:
         return {name: storage.read_bytes(url) for url, name in storage.list_relative(root)}
     assert objects(out) == objects(uninterrupted)  # and OUT/.mining is gone
+
+
+@pytest.mark.slow
+def test_a_local_run_killed_leaves_no_ray_process_and_continues_over_line_separators(tmp_path, tiny_bert_with_heads):
+    """The command on its own local Ray cluster (no RAY_ADDRESS), passages holding U+2028, U+2029 and U+0085,
+    the driver killed (SIGKILL) once its first shard is mined: no process of its cluster is left a few seconds
+    later (Ray's agents used to wait about a minute on the dead GCS, with ppid 1), and the same command again
+    takes up the saved slice (it used to stop at once: ``error: Unterminated string starting at: line 1
+    column 1``, exit 2) and mines the rest, the separators kept in the negatives."""
+    xs = load_xquad("en", slice(0, 1))
+    paragraphs = [p.replace(". ", f".{SEPARATORS[i % 3]} ", 1) for i, p in enumerate(xs.paragraphs)]
+    rows = [{"query": q, "pos": [paragraphs[g]]} for q, g in zip(xs.questions, xs.gold)]
+    (tmp_path / "xq.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:40]))
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    assert data_prep(["pairs", "--input", str(tmp_path / "xq.jsonl"), "--out", data, "--block-records", "8",
+                      "--shard-size-mb", "0.005"]) == 0
+    shards = len(load_shards(storage.join(data, "pairs", "xq"), "pairs"))
+    command = [sys.executable, "-m", "clsys.mine", "--model", tiny_bert_with_heads, "--pooling", "mean", "--data",
+               data, "--out", out, "--workers", "1", "--query-batch", "8", "--k", "2", "--max-score-ratio", "1e9"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    run = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in run.stderr:
+        lines.append(line)
+        if f"pairs mined (1/{shards} shards)" in line:
+            cluster = psutil.Process(run.pid).children(recursive=True)
+            run.send_signal(signal.SIGKILL)
+            break
+    assert run.wait(timeout=60) == -signal.SIGKILL, "".join(lines)
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {p.name() for p in cluster}  # what is to end
+    _, left = psutil.wait_procs(cluster, timeout=10)
+    assert not left, [(p.pid, p.name()) for p in left]
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "taken up from the run under --out" in again.stderr
+    mined = [n for r in records_of(out) for n in r["json"]["negatives"]]
+    assert mined and set(mined) <= set(paragraphs)
+    assert all(any(c in n for n in mined) for c in SEPARATORS)
