@@ -5,8 +5,9 @@ Real parts: pairs streams written by ``data_prep pairs`` from XQuAD questions an
 BERT (where only equality matters), a real local Ray cluster of 2 CPUs on 127.0.0.1 and the S3 server fixture.
 Checked: the merged top-k of slices is one sort of the whole corpus, ties included (top-k alone, then the workers in
 this process, then two Ray workers against a one-process ranking of every text embedded alone); the false-negative
-filter against a naive reference; a run killed mid-way and run again writes what an uninterrupted run writes; bad
-input is refused before anything is written."""
+filter against a naive reference; a run killed mid-way (its own local Ray cluster then gone too) and run again
+writes what an uninterrupted run writes, over texts with line separators; a slice that disagrees with its .json is
+refused; bad input is refused before anything is written."""
 from __future__ import annotations
 
 import collections
@@ -121,19 +122,28 @@ def test_filter_matches_a_naive_reference():
 # Data
 
 
+SEPARATORS = "\u2028\u2029\x85"  # what str.splitlines() also ends a line at; web and Wikipedia text holds them
+
+
+def paragraphs_of(xs) -> list[str]:
+    """XQuAD's paragraphs, each one's first sentence ending in one of ``SEPARATORS`` instead of a space."""
+    return [p.replace(". ", f".{SEPARATORS[i % 3]}", 1) for i, p in enumerate(xs.paragraphs)]
+
+
 def pair_rows() -> list[dict]:
     """XQuAD questions → their paragraph, two other paragraphs as given negatives. Ties: the first paragraph's
     upper-cased copy is a given negative of every tenth pair (the uncased tokenizer reads it as the paragraph itself:
     equal vectors, other ids), and a question asked twice with two positives (its other positive)."""
     xs = load_xquad("en", ARTICLES)
+    paragraphs = paragraphs_of(xs)
     rng = random.Random(0)
     rows = []
     for i, (question, gold) in enumerate(zip(xs.questions, xs.gold)):
-        negatives = rng.sample([p for j, p in enumerate(xs.paragraphs) if j != gold], 2)
+        negatives = rng.sample([p for j, p in enumerate(paragraphs) if j != gold], 2)
         if i % 10 == 0:
-            negatives.append(xs.paragraphs[0].upper())
-        rows.append({"query": question, "pos": [xs.paragraphs[gold]], "neg": negatives})
-    rows.append({"query": xs.questions[0], "pos": [xs.paragraphs[1]], "neg": []})
+            negatives.append(paragraphs[0].upper())
+        rows.append({"query": question, "pos": [paragraphs[gold]], "neg": negatives})
+    rows.append({"query": xs.questions[0], "pos": [paragraphs[1]], "neg": []})
     return rows
 
 
@@ -230,9 +240,6 @@ def test_two_slices_rank_as_one_worker_and_as_one_sort(local_pairs, tiny_bert_wi
     again = MiningWorker(encoding, 1, 2, work.slice_stem(str(tmp_path / "two"), 1, 2))
     assert again.load_slice() and again.slice.texts == two[1].slice.texts
     assert torch.equal(again.slice.embeddings, two[1].slice.embeddings)
-
-
-SEPARATORS = "\u2028\u2029\x85"  # what str.splitlines() also ends a line at; web and Wikipedia text holds them
 
 
 def test_a_slice_round_trips_its_texts_and_refuses_files_that_disagree_with_its_json(tmp_path):
@@ -376,7 +383,8 @@ def test_two_ray_workers_mine_what_one_process_ranks(uninterrupted, s3_pairs):
         tied += any(a[0] == b[0] for a, b in zip(ranking[:20], ranking[1:21]))
     assert tied and dropped["other_positive"] and dropped["above_ratio"]  # ties, a second positive, a near copy
     xs = load_xquad("en", ARTICLES)
-    article = dict(zip(xs.paragraphs, xs.article))
+    paragraphs = paragraphs_of(xs)
+    article = {**dict(zip(paragraphs, xs.article)), paragraphs[0].upper(): xs.article[0]}
     same = np.mean([article[r["json"]["negatives"][0]] == article[r["json"]["positive"]] for r in mined])
     assert same > 0.5, same
     counts = json.loads(storage.read_bytes(storage.join(uninterrupted, "pairs/xq/manifest.json")))["mining"]["counts"]
@@ -387,19 +395,28 @@ def test_two_ray_workers_mine_what_one_process_ranks(uninterrupted, s3_pairs):
 
 @pytest.mark.slow
 def test_a_killed_run_continues_to_the_uninterrupted_output(uninterrupted, s3_pairs, ray_env, capsys):
-    """The driver is killed (SIGKILL) once its first shard is saved; the same command again takes up the workers'
-    saved slices and the shards done, and writes, on S3, byte for byte what the uninterrupted run wrote."""
+    """The driver, on a local Ray cluster of its own (no RAY_ADDRESS), is killed (SIGKILL) once its first shard is
+    saved: no process of its cluster is left a few seconds later (Ray's agents used to wait about a minute on
+    the dead GCS, with ppid 1). The same command again takes up the workers' saved slices, whose passages hold
+    U+2028, U+2029 and U+0085 (it used to stop at once: ``error: Unterminated string starting at: line 1 column 1
+    (char 0)``, exit 2), and the shards done, and writes, on S3, byte for byte what the uninterrupted run wrote."""
     out = storage.join(s3_pairs.rsplit("/", 1)[0], "mined")
     command = [sys.executable, "-m", "clsys.mine", *MINE, "--data", s3_pairs, "--out", out]
     shards = len(load_shards(storage.join(s3_pairs, "pairs", "xq")))
-    run = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    own_cluster = {k: v for k, v in os.environ.items() if k not in ray_env}
+    run = subprocess.Popen(command, cwd=REPO, env=own_cluster, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                           text=True)
     lines = []
     for line in run.stderr:
         lines.append(line)
         if f"pairs mined (1/{shards} shards)" in line:
+            cluster = psutil.Process(run.pid).children(recursive=True)
             run.send_signal(signal.SIGKILL)
             break
     assert run.wait(timeout=60) == -signal.SIGKILL, "".join(lines)
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {p.name() for p in cluster}  # what is to end
+    _, left = psutil.wait_procs(cluster, timeout=10)
+    assert not left, [(p.pid, p.name()) for p in left]
     parts = list(storage.list_prefix(storage.join(out, work.FOLDER, "parts")))
     assert 1 <= len(parts) < shards and not storage.exists(storage.join(out, "pairs/xq/manifest.json"))
     # Other settings are not mixed in.
@@ -413,41 +430,5 @@ def test_a_killed_run_continues_to_the_uninterrupted_output(uninterrupted, s3_pa
     def objects(root: str) -> dict[str, bytes]:
         return {name: storage.read_bytes(url) for url, name in storage.list_relative(root)}
     assert objects(out) == objects(uninterrupted)  # and OUT/.mining is gone
+    assert all(any(c in n for r in records_of(out) for n in r["json"]["negatives"]) for c in SEPARATORS)
 
-
-@pytest.mark.slow
-def test_a_local_run_killed_leaves_no_ray_process_and_continues_over_line_separators(tmp_path, tiny_bert_with_heads):
-    """The command on its own local Ray cluster (no RAY_ADDRESS), passages holding U+2028, U+2029 and U+0085,
-    the driver killed (SIGKILL) once its first shard is mined: no process of its cluster is left a few seconds
-    later (Ray's agents used to wait about a minute on the dead GCS, with ppid 1), and the same command again
-    takes up the saved slice (it used to stop at once: ``error: Unterminated string starting at: line 1
-    column 1``, exit 2) and mines the rest, the separators kept in the negatives."""
-    xs = load_xquad("en", slice(0, 1))
-    paragraphs = [p.replace(". ", f".{SEPARATORS[i % 3]} ", 1) for i, p in enumerate(xs.paragraphs)]
-    rows = [{"query": q, "pos": [paragraphs[g]]} for q, g in zip(xs.questions, xs.gold)]
-    (tmp_path / "xq.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:40]))
-    data, out = str(tmp_path / "data"), str(tmp_path / "out")
-    assert data_prep(["pairs", "--input", str(tmp_path / "xq.jsonl"), "--out", data, "--block-records", "8",
-                      "--shard-size-mb", "0.005"]) == 0
-    shards = len(load_shards(storage.join(data, "pairs", "xq"), "pairs"))
-    command = [sys.executable, "-m", "clsys.mine", "--model", tiny_bert_with_heads, "--pooling", "mean", "--data",
-               data, "--out", out, "--workers", "1", "--query-batch", "8", "--k", "2", "--max-score-ratio", "1e9"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    run = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines = []
-    for line in run.stderr:
-        lines.append(line)
-        if f"pairs mined (1/{shards} shards)" in line:
-            cluster = psutil.Process(run.pid).children(recursive=True)
-            run.send_signal(signal.SIGKILL)
-            break
-    assert run.wait(timeout=60) == -signal.SIGKILL, "".join(lines)
-    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {p.name() for p in cluster}  # what is to end
-    _, left = psutil.wait_procs(cluster, timeout=10)
-    assert not left, [(p.pid, p.name()) for p in left]
-    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "taken up from the run under --out" in again.stderr
-    mined = [n for r in records_of(out) for n in r["json"]["negatives"]]
-    assert mined and set(mined) <= set(paragraphs)
-    assert all(any(c in n for n in mined) for c in SEPARATORS)

@@ -36,7 +36,7 @@ from clsys.retrieval.corpus import CorpusShard, bucket_texts, corpus_texts, merg
 from clsys.retrieval.work import Slice, load_slice, save_slice
 
 SCORE_CHUNK = 1 << 13  # corpus rows scored against a query batch at a time: [batch, chunk] float32 scores
-LENGTH_CHUNK = 1 << 12  # texts tokenized at a time to learn their token counts (~300 bytes a token while held)
+LENGTH_CHUNK = 1 << 10  # texts tokenized at a time to learn their token counts (~300 bytes a token while held)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class MiningWorker:
             texts = merge_buckets(buckets)
             ids = sorted(texts)
             ordered = [texts[i] for i in ids]
-            del texts  # its map (~100 bytes a text): the texts are the buckets' and ``ordered``'s
+            del texts  # the map's ~100 bytes a text; ``ordered`` holds the texts
             embeddings = self.embed(ordered, self.encoding.passage_prefix)
             built = Slice(torch.tensor(ids, dtype=torch.long), embeddings, ordered)
             save_slice(self.stem, built)
