@@ -70,10 +70,10 @@ def write_inputs(folder: Path, queries: int, corpus: int) -> tuple[str, dict[int
     return str(folder / "data"), streams
 
 
-def mine(data: str, corpus: str, out: str, workers: int, max_length: int) -> dict:
+def mine(data: str, corpus: str, out: str, workers: int, max_length: int, model: str = "all-MiniLM-L6-v2") -> dict:
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "clsys.mine", "--model", "all-MiniLM-L6-v2", "--data", data,
+    result = subprocess.run([sys.executable, "-m", "clsys.mine", "--model", model, "--data", data,
                              "--corpus", corpus, "--out", out, "--workers", str(workers), "--max-length",
                              str(max_length)], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",

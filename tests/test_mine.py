@@ -5,12 +5,15 @@ Real parts: pairs streams written by ``data_prep pairs`` from XQuAD questions an
 BERT (where only equality matters), a real local Ray cluster of 2 CPUs on 127.0.0.1 and the S3 server fixture.
 Checked: the merged top-k of slices is one sort of the whole corpus, ties included (top-k alone, then the workers in
 this process, then two Ray workers against a one-process ranking of every text embedded alone); the false-negative
-filter against a naive reference; a run killed mid-way and run again writes what an uninterrupted run writes; bad
-input is refused before anything is written."""
+filter against a naive reference; a run killed mid-way (its own local Ray cluster then gone too) and run again
+writes what an uninterrupted run writes, over texts with line separators; a slice that disagrees with its .json is
+refused; bad input is refused before anything is written."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -20,7 +23,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -117,19 +122,28 @@ def test_filter_matches_a_naive_reference():
 # Data
 
 
+SEPARATORS = "\u2028\u2029\x85"  # what str.splitlines() also ends a line at; web and Wikipedia text holds them
+
+
+def paragraphs_of(xs) -> list[str]:
+    """XQuAD's paragraphs, each one's first sentence ending in one of ``SEPARATORS`` instead of a space."""
+    return [p.replace(". ", f".{SEPARATORS[i % 3]}", 1) for i, p in enumerate(xs.paragraphs)]
+
+
 def pair_rows() -> list[dict]:
     """XQuAD questions → their paragraph, two other paragraphs as given negatives. Ties: the first paragraph's
     upper-cased copy is a given negative of every tenth pair (the uncased tokenizer reads it as the paragraph itself:
     equal vectors, other ids), and a question asked twice with two positives (its other positive)."""
     xs = load_xquad("en", ARTICLES)
+    paragraphs = paragraphs_of(xs)
     rng = random.Random(0)
     rows = []
     for i, (question, gold) in enumerate(zip(xs.questions, xs.gold)):
-        negatives = rng.sample([p for j, p in enumerate(xs.paragraphs) if j != gold], 2)
+        negatives = rng.sample([p for j, p in enumerate(paragraphs) if j != gold], 2)
         if i % 10 == 0:
-            negatives.append(xs.paragraphs[0].upper())
-        rows.append({"query": question, "pos": [xs.paragraphs[gold]], "neg": negatives})
-    rows.append({"query": xs.questions[0], "pos": [xs.paragraphs[1]], "neg": []})
+            negatives.append(paragraphs[0].upper())
+        rows.append({"query": question, "pos": [paragraphs[gold]], "neg": negatives})
+    rows.append({"query": xs.questions[0], "pos": [paragraphs[1]], "neg": []})
     return rows
 
 
@@ -226,6 +240,41 @@ def test_two_slices_rank_as_one_worker_and_as_one_sort(local_pairs, tiny_bert_wi
     again = MiningWorker(encoding, 1, 2, work.slice_stem(str(tmp_path / "two"), 1, 2))
     assert again.load_slice() and again.slice.texts == two[1].slice.texts
     assert torch.equal(again.slice.embeddings, two[1].slice.embeddings)
+
+
+def test_a_slice_round_trips_its_texts_and_refuses_files_that_disagree_with_its_json(tmp_path):
+    """Texts with line and paragraph separators come back as they were saved; a slice whose files are whole
+    (checksums match) but say other than its .json (texts against rows, a text that is not a JSON string, the
+    tensors' shapes) is refused, naming it, rather than taken up with its ids and texts misaligned."""
+    texts = [f"line{c}next {i}" for i, c in enumerate(SEPARATORS)] + ["plain", "a\nb"]
+    part = work.Slice(torch.arange(len(texts)), F.normalize(torch.randn(len(texts), 4), dim=-1), texts)
+    stem = str(tmp_path / "worker-00000-of-00001")
+    work.save_slice(stem, part)
+    loaded = work.load_slice(stem)
+    assert loaded.texts == texts and torch.equal(loaded.ids, part.ids) and torch.equal(loaded.embeddings, part.embeddings)
+    jsonl = Path(f"{stem}.jsonl").read_bytes()
+    tensors = Path(f"{stem}.safetensors").read_bytes()
+
+    def tampered(jsonl: bytes, tensors: bytes) -> str:
+        """The slice's files replaced, their checksums in its .json made to match: what loading it says."""
+        Path(f"{stem}.jsonl").write_bytes(jsonl)
+        Path(f"{stem}.safetensors").write_bytes(tensors)
+        meta = json.loads(Path(f"{stem}.json").read_text())
+        meta["sha256"] = [hashlib.sha256(tensors).hexdigest(), hashlib.sha256(jsonl).hexdigest()]
+        Path(f"{stem}.json").write_text(json.dumps(meta))
+        with pytest.raises(storage.StorageError) as refusal:
+            work.load_slice(stem)
+        assert str(refusal.value).startswith(f"{stem}.*: not the slice its .json describes (")
+        return str(refusal.value)
+    assert "4 texts in its .jsonl, 5 ids" in tampered(jsonl.split(b"\n", 1)[1], tensors)
+    assert "line 2 is not JSON" in tampered(jsonl.replace(b"\n", b"\n{", 1), tensors)
+    assert "line 4 is not a JSON string (a int)" in tampered(jsonl.replace(b'"plain"', b"7"), tensors)
+    other = safetensors.torch.save({"ids": part.ids, "embeddings": part.embeddings.reshape(10, 2)})
+    assert "shape [10, 2]" in tampered(jsonl, other)
+    assert f"a safetensors header of {2**64 - 1} bytes" in tampered(jsonl, b"\xff" * 8 + tensors)
+    assert "not a safetensors file of ids and embeddings" in tampered(jsonl, tensors[:8] + b"[" + tensors[9:])
+    Path(f"{stem}.jsonl").write_bytes(jsonl[:-1])  # a checksum that differs: not there, embedded again
+    assert work.load_slice(stem) is None
 
 
 def test_progress_of_other_settings_is_refused(tmp_path):
@@ -334,7 +383,8 @@ def test_two_ray_workers_mine_what_one_process_ranks(uninterrupted, s3_pairs):
         tied += any(a[0] == b[0] for a, b in zip(ranking[:20], ranking[1:21]))
     assert tied and dropped["other_positive"] and dropped["above_ratio"]  # ties, a second positive, a near copy
     xs = load_xquad("en", ARTICLES)
-    article = dict(zip(xs.paragraphs, xs.article))
+    paragraphs = paragraphs_of(xs)
+    article = {**dict(zip(paragraphs, xs.article)), paragraphs[0].upper(): xs.article[0]}
     same = np.mean([article[r["json"]["negatives"][0]] == article[r["json"]["positive"]] for r in mined])
     assert same > 0.5, same
     counts = json.loads(storage.read_bytes(storage.join(uninterrupted, "pairs/xq/manifest.json")))["mining"]["counts"]
@@ -345,19 +395,28 @@ def test_two_ray_workers_mine_what_one_process_ranks(uninterrupted, s3_pairs):
 
 @pytest.mark.slow
 def test_a_killed_run_continues_to_the_uninterrupted_output(uninterrupted, s3_pairs, ray_env, capsys):
-    """The driver is killed (SIGKILL) once its first shard is saved; the same command again takes up the workers'
-    saved slices and the shards done, and writes, on S3, byte for byte what the uninterrupted run wrote."""
+    """The driver, on a local Ray cluster of its own (no RAY_ADDRESS), is killed (SIGKILL) once its first shard is
+    saved: no process of its cluster is left a few seconds later (Ray's agents used to wait about a minute on
+    the dead GCS, with ppid 1). The same command again takes up the workers' saved slices, whose passages hold
+    U+2028, U+2029 and U+0085 (it used to stop at once: ``error: Unterminated string starting at: line 1 column 1
+    (char 0)``, exit 2), and the shards done, and writes, on S3, byte for byte what the uninterrupted run wrote."""
     out = storage.join(s3_pairs.rsplit("/", 1)[0], "mined")
     command = [sys.executable, "-m", "clsys.mine", *MINE, "--data", s3_pairs, "--out", out]
     shards = len(load_shards(storage.join(s3_pairs, "pairs", "xq")))
-    run = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    own_cluster = {k: v for k, v in os.environ.items() if k not in ray_env}
+    run = subprocess.Popen(command, cwd=REPO, env=own_cluster, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                           text=True)
     lines = []
     for line in run.stderr:
         lines.append(line)
         if f"pairs mined (1/{shards} shards)" in line:
+            cluster = psutil.Process(run.pid).children(recursive=True)
             run.send_signal(signal.SIGKILL)
             break
     assert run.wait(timeout=60) == -signal.SIGKILL, "".join(lines)
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= {p.name() for p in cluster}  # what is to end
+    _, left = psutil.wait_procs(cluster, timeout=10)
+    assert not left, [(p.pid, p.name()) for p in left]
     parts = list(storage.list_prefix(storage.join(out, work.FOLDER, "parts")))
     assert 1 <= len(parts) < shards and not storage.exists(storage.join(out, "pairs/xq/manifest.json"))
     # Other settings are not mixed in.
@@ -371,3 +430,5 @@ def test_a_killed_run_continues_to_the_uninterrupted_output(uninterrupted, s3_pa
     def objects(root: str) -> dict[str, bytes]:
         return {name: storage.read_bytes(url) for url, name in storage.list_relative(root)}
     assert objects(out) == objects(uninterrupted)  # and OUT/.mining is gone
+    assert all(any(c in n for r in records_of(out) for n in r["json"]["negatives"]) for c in SEPARATORS)
+

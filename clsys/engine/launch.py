@@ -15,6 +15,7 @@ import tempfile
 
 from clsys import logs, storage
 from clsys.config import ClusterConfig, Config, run_url
+from clsys.engine.ray_guard import guard
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def init_ray_for_tasks(cpus: int, names: tuple[str, ...]) -> bool:
     # No runtime_env unless there is something to set: a job with one gets worker processes of its own,
     # started (and their imports paid) while the command waits, instead of the cluster's idle ones
     # (measured: 0.6 s of a 16 s data_prep run on a 2-CPU cluster).
-    ray.init(runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING, **local)
+    started = ray.init(runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING, **local)
+    if not joining:
+        guard(started.address_info["session_dir"])  # its agents would outlive this process killed (ray_guard)
     return joining
 
 

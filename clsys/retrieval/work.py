@@ -4,16 +4,19 @@ after a failure, continues where the first stopped; removed once the output stre
   settings.json                      what decides the output (``Settings``), written before anything else; a run
                                      with other settings is refused rather than mixed with it
   corpus/worker-RRRRR-of-WWWWW.*     a worker's slice of the corpus (``Slice``): ``.safetensors`` (ids and
-                                     embeddings), ``.jsonl`` (its texts, a JSON string a line, in id order),
-                                     ``.json`` (rows, dimension and the sha256 of the other two), written last: a
-                                     slice without it is not there; one with a checksum that does not match is
-                                     computed again
+                                     embeddings), ``.jsonl`` (its texts, a JSON string a line, in id order: lines
+                                     end at "\n" alone, a text's U+2028 and U+0085 are its own), ``.json`` (rows,
+                                     dimension and the sha256 of the other two), written last: a slice without it
+                                     is not there; one with a checksum that does not match is computed again; one
+                                     whose files disagree with its ``.json`` is refused, naming it
   parts/<stream>/<shard>.json.gz     one input shard's mined negatives (``Part``: a list per record, in record
                                      order, and the drop counts), written once every query of the shard is mined:
                                      a shard with its part is not mined again
 
-Every file is written whole or not at all (``clsys.storage.write_bytes``). Nothing here is ever unpickled: JSON,
-and safetensors for the tensors.
+Every file is written whole or not at all (``clsys.storage``'s staged files and ``write_bytes``). A slice's files
+are streamed both ways: written from the tensors' and texts' own memory, read into tensors made to their size, so
+that saving or taking up a slice holds it once, not again as bytes. Nothing here is ever unpickled: JSON, and
+safetensors for the tensors.
 """
 from __future__ import annotations
 
@@ -21,18 +24,27 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import math
+import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
 
 import safetensors.torch
 import torch
 
 from clsys import storage
 from clsys.storage import StorageError
+from clsys.storage.integrity import file_sha256
 
 FOLDER = ".mining"
 SLICE_FORMAT = "clsys-mining-slice/1"
 PART_FORMAT = "clsys-mining-part/1"
+CHUNK = 1 << 20  # bytes of a slice's files read or written at a time
+TENSORS = {"ids": ("I64", torch.int64), "embeddings": ("F32", torch.float32)}  # a slice's: safetensors dtype
+SHAPES = {"ids": 1, "embeddings": 2}  # their dimensions: [n] and [n, d]
+HEADER_LIMIT = 1 << 16  # bytes of a slice's safetensors header (its two tensors': ~150)
 
 
 @dataclass(frozen=True)
@@ -112,14 +124,33 @@ def slice_stem(out: str, rank: int, world: int) -> str:
 
 
 def save_slice(stem: str, part: Slice) -> None:
-    tensors = safetensors.torch.save({"ids": part.ids.contiguous(), "embeddings": part.embeddings.contiguous()})
-    texts = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in part.texts).encode()
-    storage.write_bytes(f"{stem}.safetensors", tensors)
-    storage.write_bytes(f"{stem}.jsonl", texts)
+    """``part``'s files at ``stem``, its ``.json`` last. safetensors writes the tensors from their own memory."""
+    tensors = {"ids": part.ids.contiguous(), "embeddings": part.embeddings.contiguous()}
+    with tempfile.TemporaryDirectory(prefix="clsys-slice-") as tmp:  # where a remote file is staged
+        sums = [_publish(f"{stem}.safetensors", tmp, lambda path: safetensors.torch.save_file(tensors, path)),
+                _publish(f"{stem}.jsonl", tmp, lambda path: _write_texts(path, part.texts))]
     storage.write_json(f"{stem}.json", {"format": SLICE_FORMAT, "rows": len(part.texts),
-                                        "dim": part.embeddings.shape[1],
-                                        "sha256": [hashlib.sha256(tensors).hexdigest(),
-                                                   hashlib.sha256(texts).hexdigest()]})
+                                        "dim": part.embeddings.shape[1], "sha256": sums})
+
+
+def _publish(url: str, tmp: str, fill: Callable[[str], None]) -> str:
+    """The file that ``fill(path)`` writes, put at ``url`` whole; its sha256."""
+    staged = storage.staging_path(url, tmp)
+    try:
+        fill(staged)
+        digest = file_sha256(staged)
+    except OSError as err:
+        storage.discard_staged(staged)
+        raise StorageError(f"{url}: writing failed: {err.strerror or err}") from None
+    storage.publish_staged(staged, url)
+    return digest
+
+
+def _write_texts(path: str, texts: list[str]) -> None:
+    # json.dumps escapes "\n" in a string, never U+2028, U+2029 or U+0085: "\n" alone ends a line.
+    with open(path, "wb", buffering=CHUNK) as f:
+        for text in texts:
+            f.write(json.dumps(text, ensure_ascii=False).encode() + b"\n")
 
 
 def saved_rows(out: str, world: int) -> int:
@@ -127,17 +158,120 @@ def saved_rows(out: str, world: int) -> int:
     return sum(storage.read_json(f"{slice_stem(out, rank, world)}.json")["rows"] for rank in range(world))
 
 
+class Disagrees(Exception):
+    """A slice's files whose checksums match its ``.json`` but whose content does not: what it says and why."""
+
+
+class Hashed:
+    """A stream read through in chunks, its sha256 taken as it goes."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.digest = stream, hashlib.sha256()
+
+    def read(self, size: int) -> bytes:
+        data = self.stream.read(size)
+        self.digest.update(data)
+        return data
+
+    def chunks(self) -> Iterator[bytes]:
+        return iter(lambda: self.read(CHUNK), b"")
+
+    def hexdigest(self) -> str:
+        """The sha256 of the whole stream (what is left of it is read)."""
+        for _ in self.chunks():
+            pass
+        return self.digest.hexdigest()
+
+
 def load_slice(stem: str) -> Slice | None:
-    """The slice saved at ``stem``; None when it is not there whole (no ``.json``, a checksum that differs)."""
+    """The slice saved at ``stem``; None when it is not there whole (no ``.json``, a checksum that differs).
+    ``StorageError`` naming it when its files are whole but disagree with its ``.json`` (texts and rows, the
+    tensors' names, types and shapes): what it would hold is not known, so it is not taken for a slice."""
     if not storage.exists(f"{stem}.json"):
         return None
     meta = storage.read_json(f"{stem}.json")
-    tensors, texts = storage.read_bytes(f"{stem}.safetensors"), storage.read_bytes(f"{stem}.jsonl")
-    if meta.get("format") != SLICE_FORMAT or meta.get("sha256") != [hashlib.sha256(tensors).hexdigest(),
-                                                                    hashlib.sha256(texts).hexdigest()]:
+    if not isinstance(meta, dict) or meta.get("format") != SLICE_FORMAT:
         return None
-    loaded = safetensors.torch.load(tensors)
-    return Slice(loaded["ids"], loaded["embeddings"], [json.loads(line) for line in texts.decode().splitlines()])
+    size = storage.size(f"{stem}.safetensors")
+    with storage.open_read(f"{stem}.safetensors") as a, storage.open_read(f"{stem}.jsonl") as b:
+        files = Hashed(a), Hashed(b)
+        try:
+            loaded, problem = Slice(*_read_tensors(files[0], size), _read_texts(files[1])), None
+        except Disagrees as err:
+            loaded, problem = None, err
+        if meta.get("sha256") != [f.hexdigest() for f in files]:
+            return None
+    rows, dim = meta.get("rows"), meta.get("dim")
+    if problem is None and not (len(loaded.texts) == len(loaded.ids) == rows
+                                and tuple(loaded.embeddings.shape) == (rows, dim)):
+        problem = (f"{len(loaded.texts)} texts in its .jsonl, {len(loaded.ids)} ids and embeddings of shape "
+                   f"{list(loaded.embeddings.shape)} in its .safetensors, {rows!r} rows of {dim!r} in its .json")
+    if problem is not None:
+        raise StorageError(f"{stem}.*: not the slice its .json describes ({problem}): delete {stem}.json to embed "
+                           f"that slice again")
+    return loaded
+
+
+def _read_tensors(f: Hashed, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and embeddings of a slice's safetensors file of ``size`` bytes (8 bytes of header size, the JSON
+    header, the data), read into tensors of their size: the library's loaders would hold the file's bytes (or its
+    mapped pages) beside them. Nothing is made larger than the file says it holds."""
+    try:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        if header_size > HEADER_LIMIT:
+            raise Disagrees(f"a safetensors header of {header_size} bytes")
+        header = json.loads(f.read(header_size))
+        header.pop("__metadata__", None)
+        if set(header) != set(TENSORS):
+            raise Disagrees(f"tensors {sorted(header)}, not {list(TENSORS)}")
+        specs = sorted(_spec(name, header[name]) for name in TENSORS)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise Disagrees(f"not a safetensors file of {' and '.join(TENSORS)} ({err})") from None
+    tensors, offset = {}, 0
+    for begin, end, name, dtype, shape in specs:
+        tag, torch_dtype = TENSORS[name]
+        if dtype != tag or len(shape) != SHAPES[name] or min(shape) < 0:
+            raise Disagrees(f"{name}: {dtype} of shape {shape}")
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if begin != offset or end - begin != nbytes or 8 + header_size + end > size:
+            raise Disagrees(f"{name}: bytes {begin}-{end} of a file of {size} for {nbytes} bytes at {offset}")
+        tensor = tensors[name] = torch.empty(shape, dtype=torch_dtype)
+        view = tensor.view(-1).view(torch.uint8).numpy()
+        for at in range(0, nbytes, CHUNK):
+            data = f.read(min(CHUNK, nbytes - at))
+            if not data:
+                raise Disagrees(f"{name}: its data ends at byte {offset + at}")
+            view[at:at + len(data)] = memoryview(data)
+        offset = end
+    return tensors["ids"], tensors["embeddings"]
+
+
+def _spec(name: str, entry: dict) -> tuple[int, int, str, str, list[int]]:
+    """A tensor's entry in a safetensors header: (first byte, end, name, dtype, shape)."""
+    begin, end = map(int, entry["data_offsets"])
+    return begin, end, name, entry["dtype"], [int(n) for n in entry["shape"]]
+
+
+def _read_texts(f: Hashed) -> list[str]:
+    """A slice's texts: a JSON string a line, lines ending at "\\n" alone (not ``splitlines``' U+2028, U+2029,
+    U+0085, which are a text's own)."""
+    texts, rest = [], b""
+    for chunk in f.chunks():
+        *lines, rest = (rest + chunk).split(b"\n")
+        texts += [_text(line, number) for number, line in enumerate(lines, len(texts) + 1)]
+    if rest:
+        raise Disagrees(f"its .jsonl's line {len(texts) + 1} does not end")
+    return texts
+
+
+def _text(line: bytes, number: int) -> str:
+    try:
+        text = json.loads(line)
+    except ValueError as err:
+        raise Disagrees(f"its .jsonl's line {number} is not JSON ({err})") from None
+    if not isinstance(text, str):
+        raise Disagrees(f"its .jsonl's line {number} is not a JSON string (a {type(text).__name__})")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

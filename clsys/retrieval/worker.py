@@ -21,12 +21,12 @@ unit length: a score is a cosine.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import resource
 import time
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +36,7 @@ from clsys.retrieval.corpus import CorpusShard, bucket_texts, corpus_texts, merg
 from clsys.retrieval.work import Slice, load_slice, save_slice
 
 SCORE_CHUNK = 1 << 13  # corpus rows scored against a query batch at a time: [batch, chunk] float32 scores
+LENGTH_CHUNK = 1 << 10  # texts tokenized at a time to learn their token counts (~300 bytes a token while held)
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,9 @@ class MiningWorker:
             texts = merge_buckets(buckets)
             ids = sorted(texts)
             ordered = [texts[i] for i in ids]
+            del texts  # the map's ~100 bytes a text; ``ordered`` holds the texts
             embeddings = self.embed(ordered, self.encoding.passage_prefix)
-            built = Slice(torch.tensor(ids, dtype=torch.long), embeddings.cpu(), ordered)
+            built = Slice(torch.tensor(ids, dtype=torch.long), embeddings, ordered)
             save_slice(self.stem, built)
             self._hold(built)
 
@@ -123,7 +125,7 @@ class MiningWorker:
     def embed_queries(self, queries: list[str]) -> torch.Tensor:
         """This worker's share of a query batch, embedded (on CPU, to be sent to every worker)."""
         with self._timed("queries"):
-            vectors = self.embed(queries, self.encoding.query_prefix).cpu()
+            vectors = self.embed(queries, self.encoding.query_prefix)
         self.queries["embedded"] += len(queries)
         return vectors
 
@@ -154,24 +156,26 @@ class MiningWorker:
     # -- embedding ----------------------------------------------------------------------------
 
     def embed(self, texts: list[str], prefix: str) -> torch.Tensor:
-        """Unit vectors [n, d] of ``prefix + text``, batched by token count (the module docstring)."""
+        """Unit vectors [n, d] of ``prefix + text``, on CPU, batched by token count (the module docstring). What
+        it holds besides them is bounded: the token lists of ``LENGTH_CHUNK`` texts, 4 bytes of length and 8 of
+        order a text, one batch's prefixed texts and vectors; each batch's vectors are normalized and written into
+        the rows made for them."""
         e = self.encoding
-        texts = [prefix + text for text in texts]
-        if not texts:
-            return torch.empty(0, self.model.config.hidden_size, device=e.device)
-        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=e.max_length)["input_ids"]]
-        order = sorted(range(len(texts)), key=lengths.__getitem__)
-        rows, parts = [], []
-        for _, group in itertools.groupby(order, key=lengths.__getitem__):
-            group = list(group)
+        vectors = torch.empty(len(texts), self.model.config.hidden_size)
+        lengths = np.empty(len(texts), np.int32)
+        for start in range(0, len(texts), LENGTH_CHUNK):
+            chunk = [prefix + text for text in texts[start:start + LENGTH_CHUNK]]
+            tokens = self.tokenizer(chunk, truncation=True, max_length=e.max_length)["input_ids"]
+            lengths[start:start + len(chunk)] = [len(ids) for ids in tokens]
+        order = np.argsort(lengths, kind="stable")  # by length, then as given
+        groups = np.flatnonzero(np.diff(lengths[order])) + 1  # where a token count starts, after the first
+        for group in np.split(order, groups):
             for start in range(0, len(group), e.batch_size):
-                batch = group[start:start + e.batch_size]
-                rows += batch
-                parts.append(embed(self.model, self.tokenizer, [texts[i] for i in batch], e.pooling, e.batch_size,
-                                   e.max_length))
-        vectors = torch.empty(len(texts), parts[0].shape[1])
-        vectors[rows] = F.normalize(torch.cat(parts), dim=-1)
-        return vectors.to(e.device)
+                rows = torch.from_numpy(group[start:start + e.batch_size])
+                batch = embed(self.model, self.tokenizer, [prefix + texts[i] for i in rows.tolist()], e.pooling,
+                              e.batch_size, e.max_length)
+                vectors[rows] = F.normalize(batch, dim=-1)
+        return vectors
 
     # -- what it did --------------------------------------------------------------------------
 
