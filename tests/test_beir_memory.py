@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from clsys.eval.beir import load_beir, rank_corpus
+from clsys import evaluate
+from clsys.eval.beir import CorpusChanged, load_beir, rank_corpus
 from clsys.model.encoder import CHARS_PER_TOKEN, clip, load_encoder, load_tokenizer
-from test_beir import tiny_folder, write_beir  # noqa: F401 (a fixture)
+import test_beir
+from test_beir import write_beir
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from process_runs import peak_rss_mib  # noqa: E402 (bench/process_runs.py)
 
+tiny_folder = test_beir.tiny_folder  # the fixture: a random 1-layer sentence-transformers folder
 MIB = 1 << 20
 MAX_LENGTH = 32  # tokens a document is read to: cut at CHARS_PER_TOKEN * 32 characters
 # ~5,000 characters of numbered words, which each document reads from a different place
@@ -44,7 +47,7 @@ def folder_of(tmp_path: Path, name: str, lengths: list[int]) -> Path:
 def evaluate_peak_mib(model: Path, folder: Path, log: Path) -> float:
     """The peak resident memory (MiB) of ``python -m clsys.evaluate --retrieval folder``, which must succeed."""
     cmd = [sys.executable, "-m", "clsys.evaluate", "--model", str(model), "--retrieval", str(folder),
-           "--max-length", str(MAX_LENGTH), "--batch-size", "4"]
+           "--max-length", str(MAX_LENGTH)]
     try:
         peak = peak_rss_mib(cmd, log, {**os.environ, "PYTHONPATH": str(REPO)}, timeout_s=300)
     except subprocess.CalledProcessError:
@@ -77,17 +80,26 @@ def test_the_cut_keeps_the_tokens_max_length_reads(tiny_folder):
     assert clip("short", 8) == "short"
 
 
-def test_a_corpus_that_changes_after_it_was_read_is_named(tiny_folder, tmp_path):
-    """The corpus is read again when embedded: a file rewritten in between is an error naming it and the line,
-    not documents scored under the wrong ids."""
+def test_a_corpus_that_changes_after_it_was_read_is_named(tiny_folder, tmp_path, monkeypatch, capsys):
+    """The corpus is read again when it is embedded: a file rewritten in between is an error naming it and the
+    line (the CLI: one line, exit 2), not documents scored under other documents' ids."""
     folder = folder_of(tmp_path, "set", [100] * 5)
-    data = load_beir(folder)
     corpus = folder / "corpus.jsonl"
     lines = corpus.read_text().splitlines()
-    corpus.write_text("\n".join([lines[0], lines[2], lines[1], *lines[3:]]) + "\n")
-    model, tokenizer = load_encoder(str(tiny_folder)), load_tokenizer(str(tiny_folder))
-    with pytest.raises(ValueError, match=rf"{corpus}:2: changed since it was read: document 'd2' where 'd1' was"):
-        rank_corpus(model, tokenizer, data, "mean", max_length=MAX_LENGTH)
+    data = load_beir(folder)
     corpus.write_text("\n".join(lines[:4]) + "\n")
-    with pytest.raises(ValueError, match=rf"{corpus}: changed since it was read: 4 documents, not 5"):
+    model, tokenizer = load_encoder(str(tiny_folder)), load_tokenizer(str(tiny_folder))
+    with pytest.raises(CorpusChanged, match=rf"{corpus}: changed since it was read: 4 documents, not 5"):
         rank_corpus(model, tokenizer, data, "mean", max_length=MAX_LENGTH)
+
+    def load_then_swap(*args):  # the CLI's load, then lines 2 and 3 swapped
+        loaded = load_beir(*args)
+        corpus.write_text("\n".join([lines[0], lines[2], lines[1], *lines[3:]]) + "\n")
+        return loaded
+
+    corpus.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(evaluate, "load_beir", load_then_swap)
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--model", str(tiny_folder), "--retrieval", str(folder), "--max-length", str(MAX_LENGTH)])
+    assert exit_info.value.code == 2
+    assert f"error: {corpus}:2: changed since it was read: document 'd2' where 'd1' was\n" in capsys.readouterr().err

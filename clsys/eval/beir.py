@@ -59,6 +59,10 @@ QRELS_HEADER = ["query-id", "corpus-id", "score"]
 LAYOUT = "a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv"
 
 
+class CorpusChanged(ValueError):
+    """A corpus.jsonl that no longer holds the documents it held when it was loaded."""
+
+
 @dataclass
 class Corpus:
     """A corpus.jsonl's documents without their text (a corpus of 8.8M passages holds ~5 GB of it): iterating
@@ -70,16 +74,16 @@ class Corpus:
         return len(self.ids)
 
     def __iter__(self) -> Iterator[str]:
-        """The texts in file order; a file whose documents are no longer the ones read is a ValueError."""
+        """The texts in file order; a file whose documents are no longer the ones loaded is a CorpusChanged."""
         count = 0
         for count, (number, doc_id, text) in enumerate(_records(self.path, with_title=True), 1):
             if count > len(self.ids) or doc_id != self.ids[count - 1]:
                 expected = f"'{self.ids[count - 1]}'" if count <= len(self.ids) else "none"
-                raise ValueError(f"{self.path}:{number}: changed since it was read: document '{doc_id}' where "
-                                 f"{expected} was")
+                raise CorpusChanged(f"{self.path}:{number}: changed since it was read: document '{doc_id}' where "
+                                    f"{expected} was")
             yield text
         if count != len(self.ids):
-            raise ValueError(f"{self.path}: changed since it was read: {count} documents, not {len(self.ids)}")
+            raise CorpusChanged(f"{self.path}: changed since it was read: {count} documents, not {len(self.ids)}")
 
 
 @dataclass
