@@ -203,8 +203,7 @@ def embed(model: nn.Module, tokenizer, sentences: list[str], pooling: str, batch
     out = []
     for start in range(0, len(sentences), batch_size):
         batch = tokenizer([clip(s, max_length) for s in sentences[start:start + batch_size]], padding=True,
-                          truncation=True,
-                          max_length=max_length, return_tensors="pt").to(device)
+                          truncation=True, max_length=max_length, return_tensors="pt").to(device)
         hidden = model(**batch).last_hidden_state
         out.append(pool(hidden, batch["attention_mask"], pooling).float().cpu())
     model.train(was_training)
