@@ -111,6 +111,25 @@ def measure(cmd: list[str], log: Path, env: dict | None = None,
                peak["procs"], log.with_suffix(".out").read_text(), peak["task_rss"] / 2**20, sum(task_cpu.values()), idle)
 
 
+# The kernel's peak RSS of a child (wait4's, getrusage's) includes the image it was forked from, until it exec'd:
+# under a parent of 500 MB (pytest with a model loaded), every child peaks at 500 MB or more. So ``peak_rss_mib``
+# starts the command from this small Python process (~10 MB), which writes its child's peak (KiB) to argv[1].
+_PEAK_LAUNCHER = ("import resource, subprocess, sys; "
+                  "code = subprocess.call(sys.argv[3:], timeout=float(sys.argv[2])); "
+                  "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+                  "sys.exit(code)")
+
+
+def peak_rss_mib(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600) -> float:
+    """Run ``cmd`` from the repository root, stdout and stderr to ``log``; its peak resident memory in MiB,
+    whatever this process holds. A failure (or ``timeout_s`` passed: the command killed) is a CalledProcessError."""
+    peak = log.with_suffix(".peak")
+    with open(log, "wb") as out:
+        subprocess.run([sys.executable, "-c", _PEAK_LAUNCHER, str(peak), str(timeout_s), *cmd], cwd=REPO,
+                       stdout=out, stderr=subprocess.STDOUT, env=env, check=True)
+    return int(peak.read_text()) / 1024
+
+
 @contextlib.contextmanager
 def local_ray_cluster(cpus: int) -> Iterator[str]:
     """A Ray cluster of ``cpus`` CPUs on 127.0.0.1, its processes children of this one (so that its workers can

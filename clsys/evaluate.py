@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from clsys import logs
-from clsys.eval.beir import BeirSet, bundled_beir, evaluate_beir, load_beir, resolve_beir
+from clsys.eval.beir import BeirSet, CorpusChanged, bundled_beir, evaluate_beir, load_beir, resolve_beir
 from clsys.eval.sts import evaluate_sts
 from clsys.model.declared import default_max_length, folder_pooling, folder_prompts
 from clsys.model.encoder import POOLINGS, load_encoder, load_tokenizer
@@ -233,8 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         for pooling in poolings:
             group = []
             for data in data_sets:
-                metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length,
-                                               **options.get(kind, {}))
+                try:
+                    metrics = EVALUATIONS[kind][1](model, tokenizer, data, pooling, args.batch_size, max_length,
+                                                   **options.get(kind, {}))
+                except CorpusChanged as e:  # a retrieval corpus is read again when it is embedded
+                    parser.error(str(e))
                 group.append({"kind": kind, "set": data.name, "pooling": pooling, **metrics})
             rows += group
             if len(group) > 1:

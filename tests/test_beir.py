@@ -154,7 +154,7 @@ def test_real_run_matches_pytrec_eval(small_folder, minilm):
     data = load_beir(small_folder)
     ranking = rank_corpus(*minilm, data, "mean", max_length=64, chunk=7)
     queries = embed_by_length(*minilm, data.queries, "mean", 64, 64)
-    documents = embed_by_length(*minilm, data.documents, "mean", 64, 64)
+    documents = embed_by_length(*minilm, list(data.documents), "mean", 64, 64)
     full = F.normalize(queries, dim=-1) @ F.normalize(documents, dim=-1).T
     assert ranking.docs.shape == (21, 20)
     assert torch.allclose(ranking.scores, full.gather(1, ranking.docs), atol=1e-5)
@@ -183,7 +183,7 @@ def test_load_reads_the_beir_layout(tmp_path):
     qrels_file.write_bytes(qrels_file.read_bytes().replace(b"\n", b"\r\n") + b"\r\n")
     data = load_beir(folder)
     assert data.name == "set" and data.doc_ids == ["d1", "7", "d3"]
-    assert data.documents == ["Berlin  Capital of Germany.", "No title here.", "Empty title."]
+    assert list(data.documents) == ["Berlin  Capital of Germany.", "No title here.", "Empty title."]
     assert (data.query_ids, data.queries) == (["q1", "q3"], ["Where is Berlin?", "Seven?"])
     assert data.qrels == [{0: 2, 2: 0}, {1: 1}]
     assert data.note == "2 of 3 queries graded in qrels/test.tsv"
@@ -276,9 +276,10 @@ def test_bundled_folders_are_what_build_writes_and_hold_xquad(tmp_path):
         assert {int(dev.doc_ids[d][:2]) for q in dev.qrels for d in q} == set(range(24))
         for data in (test, dev):
             assert all(list(q.values()) == [1] for q in data.qrels)
+        documents = list(test.documents)
         for query_id, graded in zip(test.query_ids, test.qrels):
-            assert answers[query_id] in test.documents[next(iter(graded))]
-    assert test.documents[0].startswith("Super Bowl 50 Die Verteidigung der Panthers")
+            assert answers[query_id] in documents[next(iter(graded))]
+    assert documents[0].startswith("Super Bowl 50 Die Verteidigung der Panthers")
 
 
 # -----------------------------------------------------------------------------

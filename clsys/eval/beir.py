@@ -13,7 +13,8 @@ Ranking: a query's score for a document is the cosine of their pooled embeddings
 sentence-transformers wrappers join; a query as ``query_prefix + text``. Documents rank by score, equal scores
 by document id, the greater first (byte order): trec_eval's order, so pytrec_eval given the same scores ranks
 the same way. A NaN score ranks last. The corpus is embedded in chunks, and only each query's best ``TOP_K``
-documents are kept between chunks: no query x corpus matrix is ever held (the corpus text is).
+documents are kept between chunks: no query x corpus matrix is ever held, nor the corpus text (``Corpus``: its
+ids, the text read again from the file a chunk at a time, each document cut to what ``max_length`` tokens read).
 
 Metrics, x 100, mean over the evaluated queries. A document's grade is its qrels score (0 where the qrels do not
 name it); relevant means grade >= 1 (trec_eval's relevance level 1):
@@ -37,6 +38,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -45,19 +47,46 @@ from torch import nn
 
 from clsys.data.labeled import jsonl_records
 from clsys.eval.retrieval import embed_by_length
+from clsys.model.encoder import cut_for_tokens
 from clsys.shards.names import clip
-from clsys.model.encoder import embed
 
 # Bundled BEIR folders (xquad-en, xquad-de), built by build.py there; origin and licence in LICENSE.md there.
 BEIR_ASSETS = Path(__file__).parents[1] / "assets" / "beir"
 
 TOP_K = 100  # the deepest cut of the metrics (recall@100): how much of each query's ranking is kept
 NDCG_CUTOFF = MRR_CUTOFF = 10
-CORPUS_CHUNK = 8192  # documents embedded at a time
+CORPUS_CHUNK = 8192  # documents read and embedded at a time
 SCORE_BLOCK = 1 << 22  # query x document scores held at a time (with their sort keys: 48 MiB)
 QRELS_HEADER = ["query-id", "corpus-id", "score"]
 GRADE = re.compile(r"[+-]?[0-9]+")  # a qrels score: ASCII digits alone
 LAYOUT = "a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv"
+
+
+class CorpusChanged(ValueError):
+    """A corpus.jsonl that no longer holds the documents it held when it was loaded."""
+
+
+@dataclass
+class Corpus:
+    """A corpus.jsonl's documents without their text (a corpus of 8.8M passages holds ~5 GB of it): iterating
+    reads the file again and gives each document's text, title and text joined as BEIR and MTEB join them."""
+    path: Path
+    ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[str]:
+        """The texts in file order; a file whose documents are no longer the ones loaded is a CorpusChanged."""
+        count = 0
+        for count, (number, doc_id, text) in enumerate(_records(self.path, with_title=True), 1):
+            if count > len(self.ids) or doc_id != self.ids[count - 1]:
+                expected = f"'{self.ids[count - 1]}'" if count <= len(self.ids) else "none"
+                raise CorpusChanged(f"{self.path}:{number}: changed since it was read: document '{doc_id}' where "
+                                    f"{expected} was")
+            yield text
+        if count != len(self.ids):
+            raise CorpusChanged(f"{self.path}: changed since it was read: {count} documents, not {len(self.ids)}")
 
 
 @dataclass
@@ -66,7 +95,7 @@ class BeirSet:
     as document index -> grade."""
     name: str
     doc_ids: list[str]
-    documents: list[str]  # title and text joined as BEIR and MTEB join them
+    documents: Corpus | list[str]  # title and text joined as BEIR and MTEB join them
     query_ids: list[str]
     queries: list[str]
     qrels: list[dict[int, int]]
@@ -106,9 +135,9 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     return ((number, line) for number, line in enumerate(_decoded(path), 1) if line.strip())
 
 
-def _read_jsonl(path: Path, with_title: bool) -> tuple[list[str], list[str]]:
-    """(ids, texts) of a corpus.jsonl (``with_title``: title and text joined) or queries.jsonl."""
-    ids, texts, first_line = [], [], {}
+def _records(path: Path, with_title: bool) -> Iterator[tuple[int, str, str]]:
+    """(line number, id, text) of each record of a corpus.jsonl (``with_title``: title and text joined) or
+    queries.jsonl."""
     for number, record in jsonl_records(path, _decoded(path)):
         doc_id, text, title = record.get("_id"), record.get("text"), record.get("title") or ""
         if isinstance(doc_id, int) and not isinstance(doc_id, bool):  # MTEB reads numeric ids as strings
@@ -119,11 +148,20 @@ def _read_jsonl(path: Path, with_title: bool) -> tuple[list[str], list[str]]:
             raise ValueError(f"{path}:{number}: text: expected a string, got {text!r}")
         if with_title and not isinstance(title, str):
             raise ValueError(f"{path}:{number}: title: expected a string, got {title!r}")
+        yield number, doc_id, (f"{title} {text}" if with_title and title else text).strip()
+
+
+def _read_jsonl(path: Path, with_title: bool, keep_texts: bool = True) -> tuple[list[str], list[str]]:
+    """(ids, texts) of a corpus.jsonl (``with_title``: title and text joined) or queries.jsonl, every record
+    checked; ``keep_texts`` False: no texts (a ``Corpus`` reads them again)."""
+    ids, texts, first_line = [], [], {}
+    for number, doc_id, text in _records(path, with_title):
         if doc_id in first_line:
             raise ValueError(f"{path}:{number}: _id '{doc_id}' is given twice (first on line {first_line[doc_id]})")
         first_line[doc_id] = number
         ids.append(doc_id)
-        texts.append((f"{title} {text}" if with_title and title else text).strip())
+        if keep_texts:
+            texts.append(text)
     if not ids:
         raise ValueError(f"{path}: holds no records")
     return ids, texts
@@ -183,7 +221,7 @@ def load_beir(folder: str | Path, split: str = "test") -> BeirSet:
     id the qrels name but the corpus or queries lack is a ValueError naming file and line."""
     folder = Path(folder)
     corpus_path, queries_path = folder / "corpus.jsonl", folder / "queries.jsonl"
-    doc_ids, documents = _read_jsonl(corpus_path, with_title=True)
+    doc_ids, _ = _read_jsonl(corpus_path, with_title=True, keep_texts=False)
     all_query_ids, all_queries = _read_jsonl(queries_path, with_title=False)
     qrels = _read_qrels(folder / "qrels" / f"{split}.tsv", {q: i for i, q in enumerate(all_query_ids)},
                         {d: i for i, d in enumerate(doc_ids)}, queries_path, corpus_path)
@@ -194,7 +232,7 @@ def load_beir(folder: str | Path, split: str = "test") -> BeirSet:
     if without_relevant:
         notes.append(f"{without_relevant} of them with no relevant document (grade >= 1): they score 0, as in "
                      "BEIR and MTEB")
-    return BeirSet(folder.name, doc_ids, documents, [all_query_ids[q] for q in graded],
+    return BeirSet(folder.name, doc_ids, Corpus(corpus_path, doc_ids), [all_query_ids[q] for q in graded],
                    [all_queries[q] for q in graded], [qrels[q] for q in graded], "; ".join(notes))
 
 
@@ -298,18 +336,18 @@ def ranking_metrics(docs: torch.Tensor, qrels: list[dict[int, int]]) -> dict[str
 def rank_corpus(model: nn.Module, tokenizer, data: BeirSet, pooling: str, batch_size: int = 64,
                 max_length: int = 512, query_prefix: str = "", passage_prefix: str = "",
                 ignore_identical_ids: bool = False, chunk: int = CORPUS_CHUNK) -> Ranking:
-    """Each query's ``TOP_K`` best documents of ``data``, the corpus embedded ``chunk`` documents at a time
-    (longest first, so that each batch pads to a similar length), scored on the model's device."""
+    """Each query's ``TOP_K`` best documents of ``data``, the corpus read and embedded ``chunk`` documents at a
+    time in file order (each chunk longest first, so that each batch pads to a similar length), scored on the
+    model's device. A document is held cut (``cut_for_tokens``) to what ``max_length`` tokens read."""
     queries = F.normalize(embed_by_length(model, tokenizer, [query_prefix + q for q in data.queries], pooling,
                                           batch_size, max_length), dim=-1).to(next(model.parameters()).device)
-    order = sorted(range(len(data.documents)), key=lambda i: len(data.documents[i]), reverse=True)
 
     def chunks() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start in range(0, len(order), chunk):
-            docs = order[start:start + chunk]
-            embeddings = embed(model, tokenizer, [passage_prefix + data.documents[d] for d in docs], pooling,
-                               batch_size, max_length)
-            yield torch.tensor(docs, dtype=torch.long), F.normalize(embeddings, dim=-1)
+        documents, start = iter(data.documents), 0
+        while texts := [cut_for_tokens(passage_prefix + text, max_length) for text in islice(documents, chunk)]:
+            embeddings = embed_by_length(model, tokenizer, texts, pooling, batch_size, max_length)
+            yield torch.arange(start, start + len(texts)), F.normalize(embeddings, dim=-1)
+            start += len(texts)
 
     exclude = None
     if ignore_identical_ids:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clsys.model.encoder import embed, load_encoder, load_tokenizer
+from clsys.model.encoder import cut_for_tokens, embed, load_encoder, load_tokenizer
 from clsys.retrieval import topk
 from clsys.retrieval.corpus import CorpusShard, bucket_texts, corpus_texts, merge_buckets
 from clsys.retrieval.work import Slice, load_slice, save_slice
@@ -164,7 +164,8 @@ class MiningWorker:
         vectors = torch.empty(len(texts), self.model.config.hidden_size)
         lengths = np.empty(len(texts), np.int32)
         for start in range(0, len(texts), LENGTH_CHUNK):
-            chunk = [prefix + text for text in texts[start:start + LENGTH_CHUNK]]
+            # cut as embed cuts them (a long text is not read whole), so that a batch holds texts of one count
+            chunk = [cut_for_tokens(prefix + text, e.max_length) for text in texts[start:start + LENGTH_CHUNK]]
             tokens = self.tokenizer(chunk, truncation=True, max_length=e.max_length)["input_ids"]
             lengths[start:start + len(chunk)] = [len(ids) for ids in tokens]
         order = np.argsort(lengths, kind="stable")  # by length, then as given
