@@ -4,11 +4,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +94,16 @@ def use_endpoint(monkeypatch, url: str) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", url)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     storage.forget_s3_clients()
+
+
+@pytest.fixture
+def ray_tmpdir(monkeypatch) -> Path:
+    """TMPDIR of the commands a test starts: where Ray keeps its session (its logs) and Ray Train the folder of a
+    run on object storage, for a test that reads them. A short path: Ray's socket paths must stay under 107 bytes."""
+    folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

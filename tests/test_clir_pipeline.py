@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_pretrain import REPO, run, tensorboard_scalars
+from tensorboard_events import tensorboard_scalars
+from test_pretrain import REPO, run
 
 FIXTURES = REPO / "tests" / "data" / "clir"
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ from clsys.data.labeled import LabeledSet
 from clsys.model.encoder import load_tokenizer
 from clsys.pretrain import main as pretrain_main
 from clsys.recipes.css_lm.bank import load_all
-from test_pretrain import REPO, SAMPLE, run, tensorboard_scalars
+from tensorboard_events import tensorboard_scalars
+from test_pretrain import REPO, SAMPLE, run
 
 SST5 = REPO / "clsys" / "assets" / "labeled" / "sst5"
 

@@ -10,7 +10,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from clsys.engine.checkpoint import complete_checkpoints
 from clsys.storage import compare_and_swap
 from conftest import ftp_server, use_endpoint
 from faults import Run, sample_keys
+from tensorboard_events import tensorboard_scalars, tensorboard_steps
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = sorted((REPO / "data_prep" / "samples").glob("*.bz2"))
@@ -88,33 +88,6 @@ def local_shards(tmp_path_factory):
     assert run("-m", "data_prep", "triplets", "--input", str(nli), "--out", str(out),
                "--shard-size-mb", "0.03").returncode == 0
     return str(out)
-
-
-@pytest.fixture
-def ray_tmpdir(monkeypatch) -> Path:
-    """TMPDIR of the commands a test starts: where Ray keeps its session (its logs) and Ray Train the folder of a
-    run on object storage. A short path: Ray's socket paths must stay under 107 bytes."""
-    folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    monkeypatch.setenv("TMPDIR", folder)
-    yield Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def tensorboard_scalars(logdir: str) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(logdir)
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def tensorboard_steps(logdir: str) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) of every scalar; a step logged again by a resumed run keeps its last value."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(logdir)
-    acc.Reload()
-    return {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
 
 
 # What the console of a run showed before it was quieted at the source (Ray's and Ray Train's logging

@@ -16,7 +16,8 @@ from clsys import storage
 from clsys.metrics.event_sync import EventSync
 from clsys.tensorboard import pull
 from conftest import free_port
-from test_pretrain import REPO, tensorboard_scalars
+from tensorboard_events import tensorboard_scalars
+from test_pretrain import REPO
 
 
 def wait_for(condition, timeout: float = 60, what: str = "condition"):
