@@ -62,7 +62,7 @@ def first_layers(folder: Path, layers: int) -> str:
     from clsys.model.loading import resolve_model_path
 
     source = resolve_model_path("all-MiniLM-L6-v2")
-    model = AutoModel.from_pretrained(source)
+    model = AutoModel.from_pretrained(source, trust_remote_code=False)
     if layers >= model.config.num_hidden_layers:
         return "all-MiniLM-L6-v2"
     target = folder / f"all-MiniLM-L{layers}"
