@@ -129,8 +129,8 @@ class ShardWriter:
 
     ``shuffle_window`` > 0: samples are held back until that many bytes (as written to tar; format 2:
     ``blocks.record_bytes``) have come, or, with a shared ``budget``, until the windows of all its writers hold
-    its ``limit`` and this one holds the most; then they are written in an order shuffled with a seed made of ``seed``, the stream's name and the window's
-    number. Input in document order (a Wikipedia article's sentences one after another) then reaches
+    its ``limit`` and this one holds the most; then they are written in an order shuffled with a seed made of
+    ``seed``, the stream's name and the window's number. Input in document order (a Wikipedia article's sentences one after another) then reaches
     the shards mixed across every document of the window, so a training batch, drawn through the
     loader's much smaller shuffle buffer, holds sentences of as many articles as a global shuffle
     would give it. The order depends on the samples and the seed alone: re-runs reproduce every shard.
