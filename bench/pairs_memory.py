@@ -3,7 +3,7 @@
     python bench/pairs_memory.py [--pairs 1e6 3e6 1e7 3e7] [--command-rows 1000000] [--window-mb 50 150]
                                  [--work-dir /tmp/pairs-memory]
 
-``dedup``: the main process's structure (``pairs_dedup.DigestSet``) alone, in a process of its own per size, fed
+``dedup``: the main process's structure (``data_prep.pairs.dedup.DigestSet``) alone, in a process of its own per size, fed
 --pairs distinct random digests in parts of --batch, as the workers' answers come; its peak RSS (VmHWM) growth
 over the process's before the first part, per pair, and the seconds spent. ``command``: the real command
 (``--workers 1 --shuffle-window-mb 0``) on --command-rows short rows, every pair distinct, against the same
@@ -32,7 +32,7 @@ import sys, time
 import numpy as np
 import psutil
 from process_runs import peak_rss
-from data_prep.pairs_dedup import DigestSet
+from data_prep.pairs.dedup import DigestSet
 pairs, batch = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(0)
 seen, me = DigestSet(), psutil.Process()

@@ -10,7 +10,8 @@ import signal
 import sys
 
 from clsys import logs
-from data_prep import __version__, align, cli, manifest, pairs, pretokenize, tokenizer, triplets, wiki
+from data_prep import __version__, align, cli, manifest, pretokenize, tokenizer, triplets, wiki
+from data_prep.pairs import command as pairs
 
 COMMANDS = {
     "wiki": (wiki, "MediaWiki XML dumps -> sentence and passage shards"),

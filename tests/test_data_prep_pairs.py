@@ -18,7 +18,7 @@ import pytest
 
 from clsys.shards.manifest import read_manifest
 from clsys.shards.reader import load_shards, read_shard
-from data_prep import pairs_read, pairs_rows
+from data_prep.pairs import read as pairs_read, rows as pairs_rows
 from data_prep.__main__ import main
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from clsys.shards.manifest import read_manifest
-from data_prep import pairs_read
+from data_prep.pairs import read as pairs_read
 from test_data_prep_pairs import FORMATS, GOOD, expected, read_stream, run
 
 REPO = Path(__file__).resolve().parents[1]

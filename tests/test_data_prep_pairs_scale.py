@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_prep import pairs_read
+from data_prep.pairs import read as pairs_read
 from tests.test_data_prep_pairs import manifests, read_stream, run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ Columns are found by name, case-insensitively (``ROLES``): a query, a positive (
 as in FlagEmbedding's ``{"query", "pos": [...], "neg": [...]}``: one pair per positive), negatives (one column
 holding a list, or string columns ``negative``, ``negative_1`` … ``negative_N``), and optional ``source`` and
 ``instruction`` columns. Two columns that mean the same thing are an error naming both. Whatever the format
-(``pairs_read`` reads each), a row arrives here as a dict of column → value, and gives its pairs with the 8-byte
+(``read`` reads each), a row arrives here as a dict of column → value, and gives its pairs with the 8-byte
 digest that the main process drops exact duplicates by (``add_row``), or a ``RowError`` saying why it gives none.
 """
 from __future__ import annotations
@@ -222,7 +222,7 @@ def add_row(result: PartResult, values: dict, columns: Columns, source: str, lis
     # The digest: the number of fields and each one's length, then the fields (the query, the instruction, the
     # negatives), then each positive in turn (the rest of the bytes): no two rows give the same bytes. SHA-256
     # (3.3 µs a 2 KB pair with the CPU's SHA instructions, blake2b 5.2), cut to DIGEST_BYTES (its chance of
-    # a collision: ``pairs_dedup``).
+    # a collision: ``dedup``).
     encoded = _encoded([(columns.query, query), (columns.instruction, instruction), *negatives,
                         *((columns.positive, p) for p in positives)], source)
     fields = encoded[:2 + len(negatives)]

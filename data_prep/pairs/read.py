@@ -6,7 +6,7 @@ task of its own with ``--ray``): about ``PART_BYTES`` of whole lines of a JSONL,
 start and end: the worker reads the bytes itself; of a gzip or zstd compressed one, the lines themselves,
 decompressed by the reader of parts as it goes), one row group of a Parquet file (its rows read by the worker
 itself), record batches of an Arrow IPC file (a Hugging Face ``save_to_disk`` folder holds such files). A worker
-(``process_part``) reads a part's rows, each as a dict of column → value, and hands them to ``pairs_rows``,
+(``process_part``) reads a part's rows, each as a dict of column → value, and hands them to ``rows``,
 which finds their columns, checks their values and makes their records, each with the 8-byte digest that the
 main process drops exact duplicates by, and counts what it skips.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from clsys import storage
-from data_prep.compressed import READ_ERRORS, compression_of, decompressed, read_problem, uncompressed_name
-from data_prep.pairs_rows import (SOURCE_NAME, SOURCE_RULE, Columns, InputError, PartResult, RowError, add_row,
+from data_prep.pairs.compressed import READ_ERRORS, compression_of, decompressed, read_problem, uncompressed_name
+from data_prep.pairs.rows import (SOURCE_NAME, SOURCE_RULE, Columns, InputError, PartResult, RowError, add_row,
                                   header_columns, match_columns, value_kind)
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",

@@ -1,10 +1,10 @@
 """``python -m data_prep pairs``: (query, positive, negatives) data → one format 2 stream per source.
 
 Inputs (JSONL, CSV/TSV with a header, Parquet, Arrow IPC, a Hugging Face ``save_to_disk`` folder) are checked
-first, then cut into parts by ``pairs_read`` (in this process, or with ``--ray`` by a streaming task per input)
-and dealt in turn to the workers (``pairs_worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
+first, then cut into parts by ``read`` (in this process, or with ``--ray`` by a streaming task per input)
+and dealt in turn to the workers (``worker.PairsWorker`` in a ``stateful_pool.StatefulPool``: processes,
 Ray actors with ``--ray``, or this process for one worker). A worker turns a part's rows into records (as
-``pairs_rows`` says a row means), keeps them, and answers with their 8-byte digests and counts. This process
+``rows`` says a row means), keeps them, and answers with their 8-byte digests and counts. This process
 takes the answers in input order (``wiki_tasks.ordered_map``, as ``data_prep wiki`` does), holds the digests of
 every source's pairs so far, counts, and tells each worker which of its part's pairs are duplicates: exact
 duplicates are dropped across the whole input, whichever workers read them. The worker writes the others with
@@ -39,10 +39,10 @@ from clsys.shards.manifest import previous_shas
 from clsys.shards.writer import remove_staged, write_manifest
 from clsys.storage import StorageError
 from data_prep import __version__, cli
-from data_prep.pairs_read import PairsInput, Unreadable, check_source, default_source, open_input, read_parts
-from data_prep.pairs_dedup import DIGEST, DigestSet
-from data_prep.pairs_rows import SKIP_REASONS, InputError, PartResult
-from data_prep.pairs_worker import PairsWorker, WrittenShards
+from data_prep.pairs.dedup import DIGEST, DigestSet
+from data_prep.pairs.read import PairsInput, Unreadable, check_source, default_source, open_input, read_parts
+from data_prep.pairs.rows import SKIP_REASONS, InputError, PartResult
+from data_prep.pairs.worker import PairsWorker, WrittenShards
 from data_prep.process_pool import WorkerDied
 from data_prep.ray_pool import RayPool
 from data_prep.stateful_pool import StatefulPool

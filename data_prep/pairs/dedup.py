@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data_prep.pairs_rows import DIGEST_BYTES
+from data_prep.pairs.rows import DIGEST_BYTES
 
 # A pair's DIGEST_BYTES as a number (any fixed byte order will do: the same on every machine).
 DIGEST = np.dtype(f"<u{DIGEST_BYTES}")

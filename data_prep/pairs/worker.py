@@ -1,7 +1,7 @@
 """What each ``data_prep pairs`` worker holds and does (a ``stateful_pool.StatefulPool`` worker: a process, a Ray
 actor, or the main process when there is one worker).
 
-A worker parses the parts the main process deals it (``parse``: ``pairs_read.process_part``) and answers with
+A worker parses the parts the main process deals it (``parse``: ``read.process_part``) and answers with
 their pairs' 8-byte digests and their counts, keeping the records. The main process, which holds every digest
 seen, takes the answers in input order and tells the worker which of a part's pairs are duplicates
 (``admit``); the worker hands the others to its own ``ShardWriter`` for their source, as ``wiki``'s main process
@@ -22,8 +22,8 @@ from clsys import storage
 from clsys.shards.blocks import Record
 from clsys.shards.manifest import ShardInfo
 from clsys.shards.writer import ShardWriter, WindowBudget
-from data_prep.pairs_read import Part, process_part
-from data_prep.pairs_rows import PartResult
+from data_prep.pairs.read import Part, process_part
+from data_prep.pairs.rows import PartResult
 
 
 @dataclasses.dataclass
