@@ -4,7 +4,7 @@ every other scheme fsspec knows (``gs://``, ``az://``, ``hf://``, …).
 Everything that reads or writes shards, manifests, checkpoints or logs goes through here. Each function parses
 the URL and calls its scheme's backend (``urls.backend``, the one place that tests a scheme), each backend
 implementing ``base.Backend``: ``local.py`` (atomic writes by rename, compare-and-swap by hard links, no lock),
-``s3.py`` (with ``s3_client.py``: the client, retries, errors; ``s3_reader.py``: resumed reads),
+``s3/`` (``store.py``, with ``client.py``: the client, retries, errors; ``reader.py``: resumed reads),
 ``fsspec_store.py`` (every other scheme fsspec knows); ``compare_and_swap.py`` for the run lease. Credentials and the endpoint
 come only from the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles, …);
 nothing here logs them. A URL may carry a secret of another scheme's (a token as its user name, a
@@ -29,7 +29,7 @@ from typing import BinaryIO, Iterator
 from clsys.storage.redaction import redact, redact_values
 from clsys.storage import local
 from clsys.storage.base import Location, StorageError, discard_staged
-from clsys.storage.s3_client import forget_clients as forget_s3_clients, s3_client
+from clsys.storage.s3.client import forget_clients as forget_s3_clients, s3_client
 from clsys.storage.urls import backend, is_local, join, overlaps, parse
 
 # The retry limits live in ``storage.base`` alone (read there at each use, so that tests can lower them).

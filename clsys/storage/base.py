@@ -1,5 +1,5 @@
 """What every storage backend shares: the error, a parsed URL, the retry limits, and the interface ``Backend``
-that each URL scheme's backend implements (``local.py``, ``s3.py``, ``fsspec_store.py``)."""
+that each URL scheme's backend implements (``local.py``, ``s3/``, ``fsspec_store.py``)."""
 from __future__ import annotations
 
 import contextlib

@@ -10,7 +10,7 @@ from clsys.storage.redaction import userinfo_end
 from clsys.storage.base import Backend, Location, StorageError
 from clsys.storage.fsspec_store import Fsspec, check_scheme
 from clsys.storage.local import LocalFiles
-from clsys.storage.s3 import S3
+from clsys.storage.s3.store import S3
 
 _LOCAL, _S3, _FSSPEC = LocalFiles(), S3(), Fsspec()
 

@@ -1,5 +1,5 @@
 """The S3 backend (``s3://bucket/key``, any S3-compatible server): the endpoint and credentials come from the
-standard AWS chain; botocore retries every request (``s3_client.py``), ``S3Reader`` resumes a body that breaks
+standard AWS chain; botocore retries every request (``client.py``), ``S3Reader`` resumes a body that breaks
 while it is read, large uploads go in parts, and compare-and-swap is a conditional request (``If-None-Match: *``,
 ``If-Match``) with the ETag as the version tag."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import BinaryIO, Iterator
 
 from clsys.storage import base
 from clsys.storage.base import Backend, Location, StorageError
-from clsys.storage.s3_client import MISSING, s3_call, s3_client, s3_error, s3_or_none
-from clsys.storage.s3_reader import S3Reader
+from clsys.storage.s3.client import MISSING, s3_call, s3_client, s3_error, s3_or_none
+from clsys.storage.s3.reader import S3Reader
 
 # The condition of a conditional request did not hold (412), another conditional write to the key was in
 # flight (409, AWS), or the object a write or delete was conditioned on is gone.

@@ -1,5 +1,5 @@
 """The S3 client (one per process, retrying every request) and how its failures become StorageErrors that name
-the URL: what the S3 backend (``s3.py``) and its resuming reader (``s3_reader.py``) both call through."""
+the URL: what the S3 backend (``store.py``) and its resuming reader (``reader.py``) both call through."""
 from __future__ import annotations
 
 import functools

@@ -10,7 +10,7 @@ import time
 
 from clsys.storage import base
 from clsys.storage.base import Location, StorageError, backoff_s
-from clsys.storage.s3_client import s3_call, s3_client
+from clsys.storage.s3.client import s3_call, s3_client
 
 
 class S3Reader(io.IOBase):
