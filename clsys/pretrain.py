@@ -24,7 +24,7 @@ import tempfile
 from clsys import logs, storage
 from clsys.storage import integrity
 from clsys.config import Config, ConfigError, run_url
-from clsys.config_paths import resolve_local_paths
+from clsys.driver.paths import resolve_local_paths
 from clsys.engine import checkpoint
 from clsys.engine.launch import init_ray, save_config, train
 from clsys.storage.lease import Lease
@@ -124,7 +124,7 @@ def compare_on_sts(cfg: Config, exported: str) -> tuple[str, list[dict]]:
 class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         # The keys come from the config dataclasses (importing every objective): read only when asked for.
-        from clsys.config_keys import help_text
+        from clsys.driver.keys import help_text
 
         return f"{super().format_help()}\n{help_text()}\n"
 

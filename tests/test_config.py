@@ -53,7 +53,7 @@ def test_deepspeed_section_merges_and_refuses_what_clsys_derives(tmp_path):
 
 
 def test_help_lists_the_recipes_and_every_key_with_default_and_meaning(capsys):
-    from clsys.config_keys import known_keys
+    from clsys.driver.keys import known_keys
     from clsys.pretrain import main
 
     with pytest.raises(SystemExit) as exit_:

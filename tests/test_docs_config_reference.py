@@ -1,4 +1,4 @@
-"""clsys/config_keys.py (every key with its type, default and meaning, from the config dataclasses) and
+"""clsys/driver/keys.py (every key with its type, default and meaning, from the config dataclasses) and
 docs/hooks/config_reference.py, the configuration reference generated from it (the docs build itself,
 `mkdocs build --strict`, runs first in `make test`)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clsys import config_keys
+from clsys.driver import keys as config_keys
 
 HOOK = Path(__file__).resolve().parents[1] / "docs" / "hooks" / "config_reference.py"
 

@@ -3,7 +3,7 @@ simcse_unsup, ...; or a path) → a checked ``Config``; and the recipes that bri
 
 This package knows the objectives: the step loop's (``clsys.objectives.OBJECTIVES``) and those of the recipe homes
 under it (``clsys/recipes/<name>/``, ``clsys.recipes.home``), found by looking at its own sub-packages. It hands
-each objective's config dataclass to ``clsys.config_parsing``, which parses and checks but imports no objective,
+each objective's config dataclass to ``clsys.config.parsing``, which parses and checks but imports no objective,
 so that objectives can build on the config.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from clsys import objectives
 from clsys.config import Config, ConfigError, ObjectiveConfig
-from clsys.config_parsing import parse_config, parse_config_dict
+from clsys.config.parsing import parse_config, parse_config_dict
 from clsys.objectives.base import Objective
 from clsys.recipes.home import RecipeHome
 

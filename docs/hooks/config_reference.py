@@ -8,7 +8,7 @@ per objective's own config dataclass (the class ``objective.name`` selects throu
 instance of the dataclass; the quickstart recipe's value beside it where that differs), meaning.
 
 The rows (key, type, default, quickstart's value, meaning from the field's comment) come from
-``clsys.config_keys``, which ``python -m clsys.pretrain --help`` prints too; a field without a
+``clsys.driver.keys``, which ``python -m clsys.pretrain --help`` prints too; a field without a
 meaning fails the build, naming the key and ``file:line``. Details that go beyond the comment are
 written on the page itself, in a ``<!-- config-notes ... -->`` block of ``key: text`` lines (YAML); a
 note naming a key that does not exist fails the build too.
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the checkout, also when clsys is not installed
     sys.path.insert(0, str(ROOT))
 
-from clsys import config_keys  # noqa: E402
-from clsys.config_keys import ConfigKeyError, Row, yaml_value  # noqa: E402
+from clsys.driver import keys as config_keys  # noqa: E402
+from clsys.driver.keys import ConfigKeyError, Row, yaml_value  # noqa: E402
 
 PAGE = "reference/config.md"
 MARKER = "<!-- config-reference -->"

@@ -28,7 +28,7 @@ import yaml
 
 from clsys.config import closed_set
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: where a source path is shown from
 
 
 class ConfigKeyError(ValueError):

@@ -1,6 +1,6 @@
 """Typed configuration: what a run's config holds (a dataclass per section) and the checks a whole config passes.
 
-``clsys.config_parsing`` fills these dataclasses from a YAML recipe plus dotted ``key=value`` overrides. The closed
+``clsys.config.parsing`` fills these dataclasses from a YAML recipe plus dotted ``key=value`` overrides. The closed
 sets (a field annotated ``Literal``) are checked here, not only where text is parsed, so that a config built in
 Python (an objective's, a test's) is held to them as well; this module imports no objective.
 """
@@ -81,10 +81,10 @@ class ObjectiveConfig:
     grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
 
     # Groups of this config that a recipe may also write as top-level sections (``task:``, ``task.shots=8``): the
-    # spelling of recipes and saved runs from before they moved under ``objective`` (clsys.config_parsing).
+    # spelling of recipes and saved runs from before they moved under ``objective`` (clsys.config.parsing).
     own_sections: ClassVar[tuple[str, ...]] = ()
     # Keys (dotted, below ``objective``) the driver resolves before any worker starts, as workers do not run in its
-    # folder (clsys.config_paths): files the run reads (against its folder, else the checkout; one that names
+    # folder (clsys.driver.paths): files the run reads (against its folder, else the checkout; one that names
     # nothing is an error naming its key) and data locations (made absolute, as data.url is).
     local_files: ClassVar[tuple[str, ...]] = ()
     locations: ClassVar[tuple[str, ...]] = ()

@@ -28,7 +28,7 @@ from typing import Callable
 from clsys.config import Config, ConfigError
 
 # The folder holding the clsys package: a checkout's root, or site-packages.
-CHECKOUT = Path(__file__).resolve().parent.parent
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def resolve_local_paths(cfg: Config) -> None:
