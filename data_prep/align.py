@@ -389,7 +389,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, DumpError, LanglinksError, StorageError) as err:
         return cli.fail("align", str(err))
     except WorkerDied as err:
-        return cli.fail("align", str(err), cli.WORKER_DIED)
+        return cli.failed_run("align", err)
     _summary(rows, time.time() - start)
     return 0
 

@@ -5,9 +5,11 @@ import argparse
 import contextlib
 import signal
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 
 from clsys import storage
+from data_prep.process_pool import WorkerDied
 
 
 def positive(typ, allow_zero: bool = False, most: int | None = None):
@@ -87,3 +89,12 @@ def fail(command: str, message: str, code: int = 2) -> int:
     its exit code."""
     print(f"data_prep {command}: error: {storage.redact(message)}", file=sys.stderr)
     return code
+
+
+def failed_run(command: str, err: WorkerDied | OSError) -> int:
+    """The one line for a run stopped by no fault of its input: a worker process or Ray actor that died (exit
+    ``WORKER_DIED``), or the local disk the shards are built on before they are uploaded (exit 2)."""
+    if isinstance(err, WorkerDied):
+        return fail(command, str(err), WORKER_DIED)
+    return fail(command, f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
+                         f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")

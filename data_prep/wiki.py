@@ -431,11 +431,8 @@ def main(args: argparse.Namespace) -> int:
                     for name, writer in writers.items()}
     except (StorageError, BadIndex) as err:  # a BadIndex found while reading: no manifest is written
         return cli.fail("wiki", str(err))
-    except WorkerDied as err:
-        return cli.fail("wiki", str(err), cli.WORKER_DIED)
-    except OSError as err:  # shards are built in a local temporary folder before they are uploaded
-        return cli.fail("wiki", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
-                                f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")
+    except (WorkerDied, OSError) as err:  # OSError: the local folder shards are built in before the upload
+        return cli.failed_run("wiki", err)
     _summary(job, urls, time.time() - start)
     if empty:
         return 3 if faulty else 2

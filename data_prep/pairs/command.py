@@ -263,11 +263,8 @@ def main(args: argparse.Namespace) -> int:
             urls = {source: job.write_manifest(source) for source in written}
     except (InputError, StorageError) as err:
         return cli.fail("pairs", str(err))
-    except WorkerDied as err:
-        return cli.fail("pairs", str(err), cli.WORKER_DIED)
-    except OSError as err:  # shards are built in a local temporary folder before they are uploaded
-        return cli.fail("pairs", f"{err.filename or 'a local file'}: {err.strerror or err} (shards are built in "
-                                 f"{tempfile.gettempdir()} before the upload: set TMPDIR to a disk with room)")
+    except (WorkerDied, OSError) as err:  # OSError: the local folder shards are built in before the upload
+        return cli.failed_run("pairs", err)
     _summary(job, urls, sum(r.bytes for r in reports), time.time() - start)
     return 0
 
