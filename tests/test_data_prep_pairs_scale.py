@@ -5,7 +5,6 @@ record and shared by a worker's sources (read back from the shards' order), and 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,22 +12,10 @@ from data_prep.pairs import read as pairs_read
 from tests.test_data_prep_pairs import manifests, read_stream, run
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from process_runs import peak_rss_mib  # noqa: E402 (bench/process_runs.py: a child's own peak, not its parent's)
+
 MAX_BYTES_A_PAIR = 24  # the duplicate check's target: peak RSS growth per distinct pair (docs/data-prep.md#pairs)
-
-
-# ``python -m data_prep`` that prints, last, its own peak RSS (VmHWM: since its exec, unlike ru_maxrss, which
-# starts from the forking parent's)
-PEAK_RSS = ("import sys; from data_prep.__main__ import main; code = main(sys.argv[1:]); "
-            "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]); sys.exit(code)")
-
-
-def peak_rss_kib(*args: object) -> int:
-    """``python -m data_prep pairs ARGS`` in a process of its own (one worker: it is the main process); its
-    peak RSS in KiB, as the kernel counts it."""
-    result = subprocess.run([sys.executable, "-c", PEAK_RSS, "pairs", *map(str, args)], cwd=ROOT,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return int(result.stdout.split()[-1])
 
 
 def test_distinct_pairs_cost_the_main_process_at_most_24_bytes_each(tmp_path):
@@ -38,10 +25,12 @@ def test_distinct_pairs_cost_the_main_process_at_most_24_bytes_each(tmp_path):
     for name, distinct in (("distinct", rows), ("repeated", 1000)):
         (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"query": "q{i % distinct:07d}", "positive": "p"}}\n'
                                                         for i in range(rows)))
-    peak = {name: peak_rss_kib("--input", tmp_path / f"{name}.jsonl", "--out", tmp_path / name,
-                               "--shuffle-window-mb", 0) for name in ("distinct", "repeated")}
-    per_pair = (peak["distinct"] - peak["repeated"]) * 1024 / (rows - 1000)
-    assert per_pair <= MAX_BYTES_A_PAIR, f"{per_pair:.0f} bytes a distinct pair ({peak} KiB peak RSS)"
+    # one worker: the main process is the worker, so the peak is the duplicate check's process
+    peak = {name: peak_rss_mib([sys.executable, "-m", "data_prep", "pairs", "--input", str(tmp_path / f"{name}.jsonl"),
+                                "--out", str(tmp_path / name), "--shuffle-window-mb", "0"], tmp_path / f"{name}.log")
+            for name in ("distinct", "repeated")}
+    per_pair = (peak["distinct"] - peak["repeated"]) * 2**20 / (rows - 1000)
+    assert per_pair <= MAX_BYTES_A_PAIR, f"{per_pair:.0f} bytes a distinct pair ({peak} MiB peak RSS)"
 
 
 def record_bytes(query: str, meta: dict) -> int:
